@@ -1,0 +1,27 @@
+# The two commands: `make run` and `make test`. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: run test bench lint clean
+
+$(STAMP): pyproject.toml constraints-cpu.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints-cpu.txt -e '.[dev]'
+	touch $(STAMP)
+
+run: $(STAMP)  ## train the default small GPT on Shakespeare, then print a sample
+	$(PY) run.py --config configs/shakespeare_gpt.py
+
+test: $(STAMP)  ## the whole test suite (what CI runs)
+	$(PY) -m pytest -q -ra --durations=15 tests
+
+bench: $(STAMP)  ## benchmarks: print tables, compare against plain PyTorch
+	$(PY) bench/step.py
+
+lint: $(STAMP)
+	$(PY) -m ruff check fxmega tests bench run.py configs
+
+clean:
+	rm -rf $(VENV) .cache runs

@@ -1,0 +1,102 @@
+#!/usr/bin/env python3
+"""Training-step speed: fxmega's compiled step against plain PyTorch, in one run.
+
+Three ways to train the same GPT on the same synthetic batches:
+  1. fxmega: pure model function, forward + autograd.grad + AdamW in one torch.compile graph;
+  2. plain eager: an nn.Module GPT with loss.backward() and torch.optim.AdamW (foreach);
+  3. plain compiled: that module under torch.compile, optimizer step eager.
+Prints tokens/s for each and fxmega's ratio to the others.
+
+    python bench/step.py [--d-model 256 --layers 4 --seq 128 --batch 8 --steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from plain_gpt import PlainGPT  # noqa: E402
+
+from fxmega.config import DataConfig, OptimConfig, RunConfig, TrainConfig  # noqa: E402
+from fxmega.models import gpt  # noqa: E402
+from fxmega.train import Run  # noqa: E402
+
+
+def timed(step_fn, steps: int, warmup: int, sync) -> list[float]:
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        step_fn(i)
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    tokens_per_step = args.batch * args.seq
+
+    cfg = RunConfig(
+        model=gpt.Config(vocab_size=args.vocab, max_seq_len=args.seq, d_model=args.d_model,
+                         n_layers=args.layers, n_heads=args.heads),
+        train=TrainConfig(steps=10**6, micro_batch_size=args.batch, global_batch_size=args.batch,
+                          seq_len=args.seq, device=args.device),
+        optim=OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", clip_grad=0.0),
+        data=DataConfig(source="mock"),
+    )
+    run = Run(cfg)
+    batches = [run.train_data.global_batch(i, args.batch) for i in range(4)]
+    results = {}
+    t0 = time.perf_counter()
+    results["fxmega compiled step"] = timed(lambda i: run.do_step(), args.steps, args.warmup, sync)
+    print(f"fxmega: warm-up incl. compile {time.perf_counter() - t0 - sum(results['fxmega compiled step']):.1f} s",
+          file=sys.stderr)
+
+    for name, compile_model in (("plain nn.Module eager", False), ("plain nn.Module compiled", True)):
+        torch.manual_seed(0)
+        model = PlainGPT(args.vocab, args.seq, args.d_model, args.layers, args.heads).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        fwd = torch.compile(model) if compile_model else model
+
+        def plain_step(i: int, fwd=fwd, opt=opt) -> None:
+            b = batches[i % len(batches)]
+            loss = fwd(b["inputs"].to(device), b["targets"].to(device))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss.item()
+
+        results[name] = timed(plain_step, args.steps, args.warmup, sync)
+
+    ours = tokens_per_step / statistics.median(results["fxmega compiled step"])
+    print(f"\nGPT d_model={args.d_model} layers={args.layers} heads={args.heads} vocab={args.vocab} "
+          f"seq={args.seq} batch={args.batch}, {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'method':<28}{'median step ms':>16}{'tokens/s':>12}{'fxmega is':>12}")
+    for name, times in results.items():
+        rate = tokens_per_step / statistics.median(times)
+        print(f"{name:<28}{1000 * statistics.median(times):>16.1f}{rate:>12,.0f}{ours / rate:>11.2f}x")
+
+
+if __name__ == "__main__":
+    main()

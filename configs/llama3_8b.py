@@ -1,0 +1,13 @@
+"""Llama-3-8B: 128K-token vocabulary, grouped-query attention with 8 key/value heads."""
+
+from fxmega.config import OptimConfig, RunConfig, TrainConfig
+from fxmega.models import llama
+
+config = RunConfig(
+    name="llama3_8b",
+    model=llama.Config(vocab_size=128256, max_seq_len=8192, d_model=4096, n_layers=32, n_heads=32,
+                       n_kv_heads=8, d_ff=14336, rope_theta=500000.0, norm_eps=1e-5),
+    train=TrainConfig(steps=500_000, micro_batch_size=1, global_batch_size=512, seq_len=8192,
+                      eval_interval=1000, eval_iters=50),
+    optim=OptimConfig(lr=3e-4, min_lr=3e-6, warmup_steps=2000, weight_decay=0.1, beta2=0.95, eps=1e-5),
+)

@@ -1,0 +1,222 @@
+"""Run configuration: frozen dataclasses, Python config files, command-line overrides and
+validation.
+
+A config file is a Python file that sets ``config = RunConfig(...)``; users copy one from
+``configs/`` and edit it. ``--set train.lr=3e-4`` overrides any field by its dotted path.
+Every rejected value raises ``ConfigError`` naming the key and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import runpy
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fxmega.errors import ConfigError
+from fxmega.models import gpt, llama
+
+SCHEDULES = ("constant", "linear", "cosine", "wsd", "inverse-sqrt")
+WSD_DECAY_STYLES = ("linear", "cosine", "1-sqrt")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1000  # optimizer steps (Megatron: --train-iters)
+    micro_batch_size: int = 8  # sequences per forward/backward on one data-parallel rank
+    global_batch_size: int = 8  # sequences per optimizer step, all ranks and microbatches
+    seq_len: int = 256  # tokens per sequence (Megatron: --seq-length)
+    seed: int = 1234
+    compile: bool = True  # one torch.compile'd step; False runs the same step eagerly
+    device: str = "auto"  # auto (cuda if present, else cpu) | cpu | cuda
+    eval_interval: int = 200  # steps between validation passes; 0 evaluates only at the end
+    eval_iters: int = 20  # validation batches per pass
+    log_interval: int = 10
+    log_jsonl: str = ""  # one JSON object per step, when set
+    tensorboard_dir: str = ""  # TensorBoard event files, when set and tensorboard is installed
+    save_dir: str = ""  # checkpoints (Megatron: --save); empty: do not save
+    save_interval: int = 0  # steps between checkpoints; 0 saves at the end only
+    load_dir: str = ""  # resume from the latest checkpoint here (Megatron: --load)
+    sample_tokens: int = 0  # tokens to generate after training
+    sample_prompt: str = "\n"
+    peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 looks it up or measures it
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 6e-4
+    min_lr: float = 0.0
+    schedule: str = "cosine"  # constant | linear | cosine | wsd | inverse-sqrt
+    warmup_steps: int = 0
+    decay_steps: int = 0  # steps of decay after warmup; 0 means until train.steps
+    wsd_decay_steps: int = 0  # length of WSD's final decay; 0 means 20% of train.steps
+    wsd_decay_style: str = "1-sqrt"  # linear | cosine | 1-sqrt
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0  # max global gradient norm; 0 disables clipping
+    decay_embeddings: bool = False  # weight-decay the embedding tables too
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "shakespeare"  # shakespeare | mock | path to a UTF-8 text file
+    data_dir: str = "data"  # where fetched corpora are cached
+    tokenizer: str = "byte"
+    valid_fraction: float = 0.05  # tail of the corpus held out for validation
+
+
+ModelConfig = gpt.Config | llama.Config
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    name: str = "run"
+
+    def validate(self, data_parallel_size: int = 1) -> RunConfig:
+        _validate(self, data_parallel_size)
+        return self
+
+    def grad_accum_steps(self, data_parallel_size: int = 1) -> int:
+        t = self.train
+        return t.global_batch_size // (t.micro_batch_size * data_parallel_size)
+
+
+def load(path: str | Path) -> RunConfig:
+    """Run a config file and return its ``config``."""
+    path = Path(path)
+    if not path.is_file():
+        hint = ", ".join(sorted(p.name for p in Path("configs").glob("*.py"))) if Path("configs").is_dir() else ""
+        raise ConfigError(f"config file {str(path)!r} does not exist" + (f"; configs/ has: {hint}" if hint else ""))
+    namespace = runpy.run_path(str(path))
+    cfg = namespace.get("config")
+    if not isinstance(cfg, RunConfig):
+        raise ConfigError(
+            f"{path} must set `config = RunConfig(...)` (from fxmega.config); found {type(cfg).__name__}"
+        )
+    return cfg
+
+
+def to_dict(cfg: RunConfig) -> dict[str, Any]:
+    """Plain dict of the config (for logs and checkpoints), with the model family named."""
+    from fxmega.models import family_name
+
+    out = dataclasses.asdict(cfg)
+    out["model"]["family"] = family_name(cfg.model)
+    return out
+
+
+def override(cfg: Any, assignments: list[str]) -> Any:
+    """Apply ``key.path=value`` assignments, parsing each value as its field's type."""
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep:
+            raise ConfigError(f"override {assignment!r} has no '=': write it as key.path=value, e.g. train.lr=3e-4")
+        key = key.strip()
+        known = _all_keys(cfg)
+        if key not in known and not any(k.startswith(key + ".") for k in known):
+            raise ConfigError(f"unknown config key {key!r}{_suggest(key, known)}")
+        cfg = _set(cfg, key.split("."), raw.strip(), key)
+    return cfg
+
+
+def _suggest(key: str, known: list[str]) -> str:
+    leaf = key.rsplit(".", 1)[-1]
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.7)
+    close += [k for k in known
+              if k not in close and difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1]], cutoff=0.7)]
+    if close:
+        return f"; did you mean {' or '.join(close[:3])}?"
+    sections = sorted({k.split(".")[0] for k in known})
+    return f"; keys live in the sections {', '.join(sections)} (see configs/ for examples)"
+
+
+def _set(obj: Any, keys: list[str], raw: str, full_key: str) -> Any:
+    current = getattr(obj, keys[0])
+    if len(keys) > 1:
+        if not dataclasses.is_dataclass(current):
+            raise ConfigError(f"config key {full_key!r}: {keys[0]!r} is a value, not a section")
+        return dataclasses.replace(obj, **{keys[0]: _set(current, keys[1:], raw, full_key)})
+    if dataclasses.is_dataclass(current):
+        first = dataclasses.fields(current)[0].name
+        raise ConfigError(f"config key {full_key!r} is a section: set one of its fields, e.g. {full_key}.{first}=...")
+    kind = typing.get_type_hints(type(obj))[keys[0]]
+    return dataclasses.replace(obj, **{keys[0]: parse_value(raw, kind, full_key)})
+
+
+def parse_value(raw: str, kind: Any, key: str) -> Any:
+    if kind is bool:
+        lowered = raw.lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={raw!r}: expected true or false")
+    if kind in (int, float):
+        try:
+            value = float(raw) if kind is float else int(raw)
+        except ValueError:
+            example = "3e-4" if kind is float else "8"
+            what = "a number" if kind is float else "a whole number"
+            raise ConfigError(f"{key}={raw!r}: expected {what}, e.g. {key}={example}") from None
+        return value
+    if kind is str:
+        return raw
+    raise ConfigError(f"{key} cannot be set from the command line (type {kind}); set it in the config file")
+
+
+def _all_keys(obj: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            keys += _all_keys(value, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _validate(cfg: RunConfig, dp: int) -> None:
+    if not isinstance(cfg.model, (gpt.Config, llama.Config)):
+        raise ConfigError(f"model must be a gpt.Config or llama.Config, got {type(cfg.model).__name__}")
+    cfg.model.validate("model")
+    t, o, d = cfg.train, cfg.optim, cfg.data
+    for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len", "eval_iters", "log_interval"):
+        _require(getattr(t, name) > 0, f"train.{name}={getattr(t, name)} must be positive")
+    for name in ("eval_interval", "save_interval", "sample_tokens"):
+        _require(getattr(t, name) >= 0, f"train.{name}={getattr(t, name)} must be zero or positive")
+    _require(t.seq_len <= cfg.model.max_seq_len,
+             f"train.seq_len={t.seq_len} is longer than model.max_seq_len={cfg.model.max_seq_len}: "
+             f"lower train.seq_len or raise model.max_seq_len")
+    per_step = t.micro_batch_size * dp
+    _require(t.global_batch_size % per_step == 0,
+             f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
+             f"{t.micro_batch_size} x data-parallel size {dp} = {per_step}: the global batch is "
+             f"micro batch x accumulation steps x data-parallel size; use e.g. "
+             f"train.global_batch_size={per_step * max(1, round(t.global_batch_size / per_step))}")
+    _require(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: use auto, cpu or cuda")
+    _require(o.schedule in SCHEDULES, f"optim.schedule={o.schedule!r}: use one of {', '.join(SCHEDULES)}")
+    _require(o.wsd_decay_style in WSD_DECAY_STYLES,
+             f"optim.wsd_decay_style={o.wsd_decay_style!r}: use one of {', '.join(WSD_DECAY_STYLES)}")
+    _require(o.lr >= 0 and o.min_lr >= 0, f"optim.lr={o.lr} and optim.min_lr={o.min_lr} must not be negative")
+    _require(o.min_lr <= o.lr, f"optim.min_lr={o.min_lr} is above optim.lr={o.lr}")
+    for name in ("warmup_steps", "decay_steps", "wsd_decay_steps"):
+        _require(getattr(o, name) >= 0, f"optim.{name}={getattr(o, name)} must be zero or positive")
+    _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optim.beta1={o.beta1}, optim.beta2={o.beta2} must be in [0, 1)")
+    _require(o.eps > 0, f"optim.eps={o.eps} must be positive")
+    _require(o.weight_decay >= 0 and o.clip_grad >= 0, "optim.weight_decay and optim.clip_grad must not be negative")
+    _require(0 < d.valid_fraction < 1, f"data.valid_fraction={d.valid_fraction} must be between 0 and 1")
+    _require(d.tokenizer == "byte", f"data.tokenizer={d.tokenizer!r}: only 'byte' is available so far")

@@ -1,0 +1,123 @@
+"""Hugging Face ``transformers`` weight layouts ⇄ fxmega parameter trees, for GPT-2 and Llama.
+
+Only the renaming and reshaping of tensors lives here (no file I/O): GPT-2's Conv1D weights
+are already ``[in, out]`` like ours; Llama's ``nn.Linear`` weights are ``[out, in]`` and are
+transposed. Heads become their own dim. Both directions are exact inverses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxmega.models import gpt, llama
+
+
+def gpt2_from_hf(sd: dict[str, torch.Tensor], cfg: gpt.Config) -> dict:
+    """fxmega GPT params from a ``GPT2LMHeadModel`` / ``GPT2Model`` state dict."""
+    sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    d, h, hd = cfg.d_model, cfg.n_heads, cfg.head_dim
+
+    def norm(name: str) -> dict:
+        return {"scale": sd[f"{name}.weight"], "bias": sd[f"{name}.bias"]}
+
+    blocks = []
+    for i in range(cfg.n_layers):
+        p = f"h.{i}"
+        blocks.append({
+            "attn_norm": norm(f"{p}.ln_1"),
+            "attn": {
+                "wqkv": sd[f"{p}.attn.c_attn.weight"].reshape(d, 3, h, hd),
+                "bqkv": sd[f"{p}.attn.c_attn.bias"].reshape(3, h, hd),
+                "wo": sd[f"{p}.attn.c_proj.weight"].reshape(h, hd, d),
+                "bo": sd[f"{p}.attn.c_proj.bias"],
+            },
+            "mlp_norm": norm(f"{p}.ln_2"),
+            "mlp": {
+                "w_in": sd[f"{p}.mlp.c_fc.weight"], "b_in": sd[f"{p}.mlp.c_fc.bias"],
+                "w_out": sd[f"{p}.mlp.c_proj.weight"], "b_out": sd[f"{p}.mlp.c_proj.bias"],
+            },
+        })
+    return {
+        "embed": {"tokens": sd["wte.weight"], "positions": sd["wpe.weight"]},
+        "blocks": blocks,
+        "final_norm": norm("ln_f"),
+    }
+
+
+def gpt2_to_hf(params: dict, cfg: gpt.Config) -> dict[str, torch.Tensor]:
+    """A ``GPT2LMHeadModel`` state dict from fxmega GPT params (head tied to ``wte``)."""
+    d = cfg.d_model
+    sd = {
+        "transformer.wte.weight": params["embed"]["tokens"],
+        "transformer.wpe.weight": params["embed"]["positions"],
+        "transformer.ln_f.weight": params["final_norm"]["scale"],
+        "transformer.ln_f.bias": params["final_norm"]["bias"],
+        "lm_head.weight": params["embed"]["tokens"],
+    }
+    for i, b in enumerate(params["blocks"]):
+        p = f"transformer.h.{i}"
+        sd |= {
+            f"{p}.ln_1.weight": b["attn_norm"]["scale"], f"{p}.ln_1.bias": b["attn_norm"]["bias"],
+            f"{p}.attn.c_attn.weight": b["attn"]["wqkv"].reshape(d, 3 * d),
+            f"{p}.attn.c_attn.bias": b["attn"]["bqkv"].reshape(3 * d),
+            f"{p}.attn.c_proj.weight": b["attn"]["wo"].reshape(d, d),
+            f"{p}.attn.c_proj.bias": b["attn"]["bo"],
+            f"{p}.ln_2.weight": b["mlp_norm"]["scale"], f"{p}.ln_2.bias": b["mlp_norm"]["bias"],
+            f"{p}.mlp.c_fc.weight": b["mlp"]["w_in"], f"{p}.mlp.c_fc.bias": b["mlp"]["b_in"],
+            f"{p}.mlp.c_proj.weight": b["mlp"]["w_out"], f"{p}.mlp.c_proj.bias": b["mlp"]["b_out"],
+        }
+    return sd
+
+
+def llama_from_hf(sd: dict[str, torch.Tensor], cfg: llama.Config) -> dict:
+    """fxmega Llama params from a ``LlamaForCausalLM`` state dict."""
+    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    blocks = []
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}"
+        blocks.append({
+            "attn_norm": {"scale": sd[f"{p}.input_layernorm.weight"]},
+            "attn": {
+                "wq": sd[f"{p}.self_attn.q_proj.weight"].t().reshape(d, h, hd),
+                "wk": sd[f"{p}.self_attn.k_proj.weight"].t().reshape(d, kv, hd),
+                "wv": sd[f"{p}.self_attn.v_proj.weight"].t().reshape(d, kv, hd),
+                "wo": sd[f"{p}.self_attn.o_proj.weight"].t().reshape(h, hd, d),
+            },
+            "mlp_norm": {"scale": sd[f"{p}.post_attention_layernorm.weight"]},
+            "mlp": {
+                "w_gate": sd[f"{p}.mlp.gate_proj.weight"].t(),
+                "w_up": sd[f"{p}.mlp.up_proj.weight"].t(),
+                "w_down": sd[f"{p}.mlp.down_proj.weight"].t(),
+            },
+        })
+    return {
+        "embed": {"tokens": sd["model.embed_tokens.weight"]},
+        "blocks": blocks,
+        "final_norm": {"scale": sd["model.norm.weight"]},
+        "head": sd["lm_head.weight"].t(),
+    }
+
+
+def llama_to_hf(params: dict, cfg: llama.Config) -> dict[str, torch.Tensor]:
+    """A ``LlamaForCausalLM`` state dict from fxmega Llama params."""
+    d = cfg.d_model
+    sd = {
+        "model.embed_tokens.weight": params["embed"]["tokens"],
+        "model.norm.weight": params["final_norm"]["scale"],
+        "lm_head.weight": params["head"].t(),
+    }
+    for i, b in enumerate(params["blocks"]):
+        p = f"model.layers.{i}"
+        a, m = b["attn"], b["mlp"]
+        sd |= {
+            f"{p}.input_layernorm.weight": b["attn_norm"]["scale"],
+            f"{p}.post_attention_layernorm.weight": b["mlp_norm"]["scale"],
+            f"{p}.self_attn.q_proj.weight": a["wq"].reshape(d, -1).t(),
+            f"{p}.self_attn.k_proj.weight": a["wk"].reshape(d, -1).t(),
+            f"{p}.self_attn.v_proj.weight": a["wv"].reshape(d, -1).t(),
+            f"{p}.self_attn.o_proj.weight": a["wo"].reshape(-1, d).t(),
+            f"{p}.mlp.gate_proj.weight": m["w_gate"].t(),
+            f"{p}.mlp.up_proj.weight": m["w_up"].t(),
+            f"{p}.mlp.down_proj.weight": m["w_down"].t(),
+        }
+    return {k: v.contiguous() for k, v in sd.items()}

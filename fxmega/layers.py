@@ -1,0 +1,123 @@
+"""Pure building blocks of transformer language models.
+
+Functions of tensors and parameters only: no modules, no state, no process groups. Weights
+are stored input-dim first (``[in, out]``, GPT-2's Conv1D layout), and attention weights keep
+heads as their own dim (``[embed, heads, head_dim]``) so that a sharding rule can split
+heads without knowing how they are packed.
+
+Activation layouts use the names batch, seq, embed, heads, kv_heads, head_dim, mlp, vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fxmega.sharding.layout import local
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w + b`` with ``w`` laid out ``[in, out]``."""
+    y = torch.matmul(x, w)
+    return y if b is None else y + b
+
+
+def project_to_heads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``[batch, seq, embed] x [embed, ..., heads, head_dim] -> [batch, seq, ..., heads, head_dim]``.
+
+    Column-parallel in Megatron's terms when heads are split.
+    """
+    y = torch.tensordot(x, w, dims=([-1], [0]))
+    return y if b is None else y + b
+
+
+def project_from_heads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``[batch, seq, heads, head_dim] x [heads, head_dim, embed] -> [batch, seq, embed]``.
+
+    Row-parallel in Megatron's terms when heads are split: the result is a partial sum
+    until the caller's ``shard`` reduces it.
+    """
+    y = torch.tensordot(x, w, dims=([-2, -1], [0, 1]))
+    return y if b is None else y + b
+
+
+def layer_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), scale, bias, eps)
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalise in fp32, cast back, then scale (the Hugging Face order,
+    which matters in bf16)."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return scale * normed.to(x.dtype)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's GELU: the tanh approximation, not the exact erf form."""
+    return F.gelu(x, approximate="tanh")
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device,
+                 start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary tables ``[seq, head_dim]`` in the rotate-half layout of Hugging Face Llama:
+    the first half of each head pairs with the second half, not even with odd."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    positions = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)
+    angles = torch.cat([freqs, freqs], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [batch, seq, heads, head_dim]`` by the tables ``[seq, head_dim]``."""
+    cos = cos[:, None, :].to(x.dtype)
+    sin = sin[:, None, :].to(x.dtype)
+    return x * cos + _rotate_half(x) * sin
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope_theta: float | None) -> torch.Tensor:
+    # Runs on local shards: batch and heads may be split, seq and head_dim are whole.
+    if rope_theta is not None:
+        cos, sin = rope_cos_sin(q.shape[1], q.shape[-1], rope_theta, q.device)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        is_causal=True, enable_gqa=k.shape[2] != q.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+_QKV_AXES = ("batch", "seq", "heads", "head_dim")
+_KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     rope_theta: float | None = None) -> torch.Tensor:
+    """Causal self-attention through SDPA (flash or memory-efficient kernels where the
+    device has them). ``q [batch, seq, heads, head_dim]``; ``k``, ``v`` may have fewer
+    (grouped) heads. With ``rope_theta`` the rotary embedding is applied to q and k first.
+    """
+    fn = local(_causal_attention, (_QKV_AXES, _KV_AXES, _KV_AXES, None), _QKV_AXES)
+    return fn(q, k, v, rope_theta)
+
+
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor,
+                      loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum over tokens of ``-log softmax(logits)[target]``, computed in fp32.
+
+    Returns a sum, not a mean: the step divides by the token count of the whole global
+    batch, so that gradient accumulation and data parallelism give the same loss.
+    """
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    target_logit = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
+    per_token = lse - target_logit
+    if loss_mask is not None:
+        per_token = per_token * loss_mask
+    return per_token.sum()

@@ -1,0 +1,132 @@
+"""GPT-2, as published: learned position embeddings, pre-LayerNorm blocks, tanh-GELU MLP,
+biases everywhere, and the output head tied to the token embedding.
+
+Read top to bottom: ``Config`` → ``param_specs`` (what the parameters are) → ``forward``
+(what they compute). Sharding is not here: only logical axis names, which the planner maps
+onto a mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fxmega import layers
+from fxmega.errors import ConfigError
+from fxmega.sharding.layout import shard
+from fxmega.spec import ONES, ZEROS, ParamSpec, normal
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab_size: int = 50257
+    max_seq_len: int = 1024  # number of learned positions
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    d_ff: int = 0  # 0 means 4 * d_model
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    def validate(self, prefix: str = "model") -> None:
+        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be positive")
+        if self.d_model % self.n_heads:
+            divisors = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and h <= 64]
+            raise ConfigError(
+                f"{prefix}.n_heads={self.n_heads} does not divide {prefix}.d_model={self.d_model}: "
+                f"choose n_heads among {divisors} or change d_model"
+            )
+
+
+def param_specs(cfg: Config) -> dict:
+    """The parameter tree, with a logical name on every dim."""
+    d, h, hd, f = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.ffn_dim
+    weight = normal(cfg.init_std)
+    # GPT-2 scales the init of the projections that write into the residual stream by
+    # 1/sqrt(2 * n_layers): each block adds two of them, and the sum should not grow with depth.
+    residual = normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
+
+    def norm() -> dict:
+        return {"scale": ParamSpec((d,), ("embed",), ONES), "bias": ParamSpec((d,), ("embed",), ZEROS)}
+
+    def block() -> dict:
+        return {
+            "attn_norm": norm(),
+            "attn": {
+                "wqkv": ParamSpec((d, 3, h, hd), ("embed", "qkv", "heads", "head_dim"), weight),
+                "bqkv": ParamSpec((3, h, hd), ("qkv", "heads", "head_dim"), ZEROS),
+                "wo": ParamSpec((h, hd, d), ("heads", "head_dim", "embed"), residual),
+                "bo": ParamSpec((d,), ("embed",), ZEROS),
+            },
+            "mlp_norm": norm(),
+            "mlp": {
+                "w_in": ParamSpec((d, f), ("embed", "mlp"), weight),
+                "b_in": ParamSpec((f,), ("mlp",), ZEROS),
+                "w_out": ParamSpec((f, d), ("mlp", "embed"), residual),
+                "b_out": ParamSpec((d,), ("embed",), ZEROS),
+            },
+        }
+
+    return {
+        "embed": {
+            "tokens": ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), weight),
+            "positions": ParamSpec((cfg.max_seq_len, d), ("position", "embed"), weight),
+        },
+        "blocks": [block() for _ in range(cfg.n_layers)],
+        "final_norm": norm(),
+    }
+
+
+def attention(p: dict, x: torch.Tensor) -> torch.Tensor:
+    qkv = layers.project_to_heads(x, p["wqkv"], p["bqkv"])  # [batch, seq, 3, heads, head_dim]
+    q, k, v = qkv.unbind(dim=2)
+    out = layers.causal_attention(q, k, v)
+    return layers.project_from_heads(out, p["wo"], p["bo"])
+
+
+def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
+    h = layers.gelu_tanh(layers.linear(x, p["w_in"], p["b_in"]))
+    h = shard(h, "batch", "seq", "mlp")
+    return layers.linear(h, p["w_out"], p["b_out"])
+
+
+def block(p: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    x = x + shard(attention(p["attn"], layers.layer_norm(x, **p["attn_norm"], eps=cfg.norm_eps)),
+                  "batch", "seq", "embed")
+    x = x + shard(mlp(p["mlp"], layers.layer_norm(x, **p["mlp_norm"], eps=cfg.norm_eps)),
+                  "batch", "seq", "embed")
+    return x
+
+
+def embed(params: dict, tokens: torch.Tensor) -> torch.Tensor:
+    seq = tokens.shape[1]
+    x = torch.nn.functional.embedding(tokens, params["embed"]["tokens"])
+    x = x + params["embed"]["positions"][:seq]
+    return shard(x, "batch", "seq", "embed")
+
+
+def head(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Final LayerNorm and the tied output projection onto the vocabulary."""
+    x = layers.layer_norm(x, **params["final_norm"], eps=cfg.norm_eps)
+    logits = layers.linear(x, params["embed"]["tokens"].t())
+    return shard(logits, "batch", "seq", "vocab")
+
+
+def forward(params: dict, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Logits ``[batch, seq, vocab]`` for ``tokens [batch, seq]``."""
+    x = embed(params, tokens)
+    for p in params["blocks"]:
+        x = block(p, x, cfg)
+    return head(params, x, cfg)

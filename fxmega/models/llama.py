@@ -1,0 +1,134 @@
+"""Llama (2 and 3), as published: RMSNorm, rotary position embeddings (rotate-half layout),
+SwiGLU MLP, grouped-query attention, no biases, and an untied output head.
+
+Same shape as ``gpt.py``: ``Config`` → ``param_specs`` → ``forward``; sharding lives
+elsewhere and sees only the logical axis names.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fxmega import layers
+from fxmega.errors import ConfigError
+from fxmega.sharding.layout import shard
+from fxmega.spec import ONES, ParamSpec, normal
+
+
+@dataclass(frozen=True)
+class Config:
+    vocab_size: int = 32000
+    max_seq_len: int = 4096  # longest sequence trained on; rotary positions need no table
+    d_model: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 0  # 0 means n_heads (no grouping)
+    d_ff: int = 11008
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def validate(self, prefix: str = "model") -> None:
+        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be positive")
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"{prefix}.n_heads={self.n_heads} does not divide {prefix}.d_model={self.d_model}: "
+                f"choose n_heads so that d_model / n_heads is a whole head size"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"head size {self.head_dim} (d_model/n_heads) is odd: rotary embeddings rotate "
+                f"pairs of dims, choose {prefix}.n_heads so the head size is even"
+            )
+        if self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"{prefix}.n_kv_heads={self.n_kv_heads} does not divide {prefix}.n_heads={self.n_heads}: "
+                f"each group of query heads shares one key/value head"
+            )
+
+
+def param_specs(cfg: Config) -> dict:
+    d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff
+    weight = normal(cfg.init_std)
+    # Projections that write into the residual stream start smaller, as in GPT-2 and
+    # Megatron's scaled init, so the residual does not grow with depth.
+    residual = normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
+
+    def block() -> dict:
+        return {
+            "attn_norm": {"scale": ParamSpec((d,), ("embed",), ONES)},
+            "attn": {
+                "wq": ParamSpec((d, h, hd), ("embed", "heads", "head_dim"), weight),
+                "wk": ParamSpec((d, kv, hd), ("embed", "kv_heads", "head_dim"), weight),
+                "wv": ParamSpec((d, kv, hd), ("embed", "kv_heads", "head_dim"), weight),
+                "wo": ParamSpec((h, hd, d), ("heads", "head_dim", "embed"), residual),
+            },
+            "mlp_norm": {"scale": ParamSpec((d,), ("embed",), ONES)},
+            "mlp": {
+                "w_gate": ParamSpec((d, f), ("embed", "mlp"), weight),
+                "w_up": ParamSpec((d, f), ("embed", "mlp"), weight),
+                "w_down": ParamSpec((f, d), ("mlp", "embed"), residual),
+            },
+        }
+
+    return {
+        "embed": {"tokens": ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), weight)},
+        "blocks": [block() for _ in range(cfg.n_layers)],
+        "final_norm": {"scale": ParamSpec((d,), ("embed",), ONES)},
+        "head": ParamSpec((d, cfg.vocab_size), ("embed", "vocab"), weight),
+    }
+
+
+def attention(p: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    q = layers.project_to_heads(x, p["wq"])
+    k = layers.project_to_heads(x, p["wk"])
+    v = layers.project_to_heads(x, p["wv"])
+    out = layers.causal_attention(q, k, v, rope_theta=cfg.rope_theta)
+    return layers.project_from_heads(out, p["wo"])
+
+
+def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    h = torch.nn.functional.silu(layers.linear(x, p["w_gate"])) * layers.linear(x, p["w_up"])
+    h = shard(h, "batch", "seq", "mlp")
+    return layers.linear(h, p["w_down"])
+
+
+def block(p: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    x = x + shard(attention(p["attn"], layers.rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps), cfg),
+                  "batch", "seq", "embed")
+    x = x + shard(mlp(p["mlp"], layers.rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)),
+                  "batch", "seq", "embed")
+    return x
+
+
+def embed(params: dict, tokens: torch.Tensor) -> torch.Tensor:
+    x = torch.nn.functional.embedding(tokens, params["embed"]["tokens"])
+    return shard(x, "batch", "seq", "embed")
+
+
+def head(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Final RMSNorm and the (untied) output projection onto the vocabulary."""
+    x = layers.rms_norm(x, params["final_norm"]["scale"], cfg.norm_eps)
+    return shard(layers.linear(x, params["head"]), "batch", "seq", "vocab")
+
+
+def forward(params: dict, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Logits ``[batch, seq, vocab]`` for ``tokens [batch, seq]``."""
+    x = embed(params, tokens)
+    for p in params["blocks"]:
+        x = block(p, x, cfg)
+    return head(params, x, cfg)

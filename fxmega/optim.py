@@ -1,0 +1,94 @@
+"""Functional AdamW and gradient clipping over lists of tensors.
+
+State goes in and comes out: ``adamw_update(params, grads, state, lr, hp)`` returns the new
+``(params, state)``. Like ``jax.jit(..., donate_argnums)``, the input buffers are donated:
+the new values are written into them, so an optimizer step never holds two copies of the
+parameters and moments (which a 7B model on one device could not afford). Callers must not
+keep using the old values. Under ``torch.compile`` these in-place ``_foreach`` updates
+become a few fused kernels; in eager mode they are PyTorch's multi-tensor kernels.
+
+The arithmetic is ``torch.optim.AdamW``'s, operation for operation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fxmega import tree
+from fxmega.spec import ParamSpec
+
+
+@dataclass(frozen=True)
+class AdamWHyper:
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+def decay_mask(specs: tree.Tree, decay_embeddings: bool = False) -> list[bool]:
+    """Which parameters get weight decay, in leaf order: matrices yes; norms and biases
+    (1-dim) no; embedding tables (first dim ``vocab`` or ``position``) only if asked.
+    An untied output head (``[embed, vocab]``) is a matrix like any other and is decayed."""
+
+    def decays(spec: ParamSpec) -> bool:
+        if len(spec.shape) < 2:
+            return False
+        return decay_embeddings or spec.axes[0] not in ("vocab", "position")
+
+    return [decays(s) for s in tree.leaves(specs)]
+
+
+def adamw_init(params: list[torch.Tensor]) -> dict:
+    """Zero moments shaped (and placed, for DTensors) like the parameters."""
+    return {
+        "step": torch.zeros((), dtype=torch.float32, device=params[0].device if params else "cpu"),
+        "exp_avg": [torch.zeros_like(p) for p in params],
+        "exp_avg_sq": [torch.zeros_like(p) for p in params],
+    }
+
+
+def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of all gradients taken together, in fp32."""
+    norms = torch._foreach_norm([g.float() for g in grads])
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_by_global_norm_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale ``grads`` in place so their global norm is at most ``max_norm`` (0: no clipping).
+    Returns the norm before clipping. No data-dependent branch, so it compiles whole."""
+    norm = global_norm(grads)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+    return norm
+
+
+def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], state: dict,
+                 lr: torch.Tensor, hp: AdamWHyper, decay: list[bool]) -> tuple[list[torch.Tensor], dict]:
+    """One AdamW step with decoupled weight decay on the params where ``decay`` is True.
+
+    ``lr`` is a 0-dim tensor so that a changing learning rate does not recompile the step.
+    """
+    step = state["step"]
+    step.add_(1)
+    decayed = [p for p, d in zip(params, decay) if d]
+    if decayed and hp.weight_decay:
+        torch._foreach_mul_(decayed, 1 - lr * hp.weight_decay)
+
+    exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+    torch._foreach_lerp_(exp_avg, grads, 1 - hp.beta1)
+    torch._foreach_mul_(exp_avg_sq, hp.beta2)
+    torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1 - hp.beta2)
+
+    bias_correction1 = 1 - hp.beta1 ** step
+    bias_correction2_sqrt = torch.sqrt(1 - hp.beta2 ** step)
+    denom = torch._foreach_sqrt(exp_avg_sq)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, hp.eps)
+    update = torch._foreach_div(exp_avg, denom)
+    torch._foreach_mul_(update, lr / bias_correction1)
+    torch._foreach_sub_(params, update)
+    return params, state

@@ -1,0 +1,69 @@
+"""Activation layouts: how model code says which logical axes an activation has.
+
+Model code calls ``shard(x, "batch", "seq", "embed")`` at block boundaries and runs
+per-shard kernels (attention) through ``local(fn, ...)``. With no sharding plan active both
+are the identity, so the model runs unchanged on one device; under a plan
+(``activate(layout)``, held for the duration of a traced step) ``shard`` becomes an
+explicit ``redistribute`` to the placements the rules give those names and ``local`` runs
+``fn`` on each rank's shards through ``local_map``.
+
+This module is the one place the active plan lives, so that model files stay free of
+meshes and process groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+
+class ActivationLayout(Protocol):
+    """What a sharding plan provides to model code (implemented in ``fxmega.sharding``)."""
+
+    def constrain(self, x: Any, axes: tuple[str | None, ...]) -> Any: ...
+
+    def local(self, fn: Callable[..., Any], in_axes: tuple[tuple[str | None, ...] | None, ...],
+              out_axes: tuple[str | None, ...]) -> Callable[..., Any]: ...
+
+
+_active: ActivationLayout | None = None
+
+
+@contextlib.contextmanager
+def activate(layout: ActivationLayout | None) -> Iterator[None]:
+    """Make ``layout`` the one that ``shard``/``local`` use inside this block."""
+    global _active
+    previous, _active = _active, layout
+    try:
+        yield
+    finally:
+        _active = previous
+
+
+def active() -> ActivationLayout | None:
+    return _active
+
+
+def shard(x: torch.Tensor, *axes: str | None) -> torch.Tensor:
+    """Constrain activation ``x`` (one logical name per dim) to the active plan's layout."""
+    if _active is None:
+        return x
+    if len(axes) != x.ndim:
+        raise ValueError(f"shard() got {len(axes)} axis names {axes} for a {x.ndim}-dim tensor")
+    return _active.constrain(x, axes)
+
+
+def local(fn: Callable[..., Any], in_axes: tuple[tuple[str | None, ...] | None, ...],
+          out_axes: tuple[str | None, ...]) -> Callable[..., Any]:
+    """``fn`` run on each rank's local shards (like ``jax.shard_map`` with logical names).
+
+    ``in_axes`` names the dims of each tensor argument (``None`` for non-tensor arguments)
+    and ``out_axes`` those of the single tensor result. ``fn`` must be correct on any shard
+    of those axes: e.g. attention is, when batch and heads are split but seq is whole.
+    """
+    if _active is None:
+        return fn
+    return _active.local(fn, in_axes, out_axes)

@@ -1,0 +1,137 @@
+"""The training step: forward, ``torch.autograd.grad`` and the AdamW update in one compiled
+graph.
+
+``TrainStep(...)(params, opt_state, micro_batches, lr)`` runs one optimizer step over a
+rank's share of the global batch, given as a list of micro batches (Megatron's gradient
+accumulation). With one micro batch the whole step is a single graph. With more, the first
+ones run an *accumulate* graph (forward + backward, gradients added into fp32 buffers) and
+the last runs the *update* graph (forward + backward + clip + AdamW), so the number of
+graphs stays two whatever the accumulation count, instead of unrolling the loop.
+
+The loss of each micro batch is a sum over its tokens divided by the token count of the
+whole global batch, so the gradients add up to those of the global mean whatever the
+micro-batch size, accumulation count or (with ``fxmega.sharding``) data-parallel size.
+
+Inputs are donated (see ``fxmega.optim``): params and optimizer state are updated in place
+and returned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch._dynamo
+
+from fxmega import tree
+from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_
+
+LossSumFn = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def enable_autograd_in_compile() -> None:
+    """Let dynamo trace ``torch.autograd.grad`` inside a compiled function (the flag exists
+    and is needed in torch 2.13; older versions trace it without the flag)."""
+    if hasattr(torch._dynamo.config, "trace_autograd_ops"):
+        torch._dynamo.config.trace_autograd_ops = True
+
+
+def count_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Tokens that count towards the loss over a list of micro batches, as a 0-dim tensor."""
+    total = sum(float(b["loss_mask"].sum()) if "loss_mask" in b else b["targets"].numel() for b in micro_batches)
+    return torch.tensor(float(total))
+
+
+class TrainStep:
+    """A compiled (or eager) training step over flat parameter lists.
+
+    ``loss_sum_fn(params_tree, batch)`` is the model's summed loss; ``structure`` is any tree
+    with the parameters' structure (the spec tree), used to rebuild the tree for the model.
+    """
+
+    def __init__(self, loss_sum_fn: LossSumFn, structure: tree.Tree, decay: list[bool],
+                 hyper: AdamWHyper, clip_grad: float, compile: bool = True) -> None:
+        self.loss_sum_fn = loss_sum_fn
+        self.structure = structure
+        self.decay = decay
+        self.hyper = hyper
+        self.clip_grad = clip_grad
+        self.compiled = compile
+        self._accum_buffers: list[torch.Tensor] | None = None
+        if compile:
+            enable_autograd_in_compile()
+            self._accumulate = torch.compile(self._accumulate_fn, fullgraph=True, dynamic=False)
+            self._update = torch.compile(self._update_fn, fullgraph=True, dynamic=False)
+        else:
+            self._accumulate, self._update = self._accumulate_fn, self._update_fn
+
+    # -- the two graphs ---------------------------------------------------------------
+    def _loss_and_grads(self, flat_params: list[torch.Tensor], batch: dict[str, torch.Tensor],
+                        inv_tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        leaves = [p.detach().requires_grad_() for p in flat_params]
+        loss_sum = self.loss_sum_fn(tree.unflatten_like(self.structure, leaves), batch)
+        grads = torch.autograd.grad(loss_sum * inv_tokens, leaves)
+        return loss_sum.detach(), list(grads)
+
+    def _accumulate_fn(self, flat_params: list[torch.Tensor], accum: list[torch.Tensor],
+                       batch: dict[str, torch.Tensor], inv_tokens: torch.Tensor) -> torch.Tensor:
+        loss_sum, grads = self._loss_and_grads(flat_params, batch, inv_tokens)
+        torch._foreach_add_(accum, grads)
+        return loss_sum
+
+    def _update_fn(self, flat_params: list[torch.Tensor], opt_state: dict, accum: list[torch.Tensor] | None,
+                   batch: dict[str, torch.Tensor], inv_tokens: torch.Tensor, lr: torch.Tensor) -> list[torch.Tensor]:
+        loss_sum, grads = self._loss_and_grads(flat_params, batch, inv_tokens)
+        if accum is not None:
+            torch._foreach_add_(accum, grads)
+            grads = accum
+        grad_norm = clip_by_global_norm_(grads, self.clip_grad)
+        adamw_update(flat_params, grads, opt_state, lr, self.hyper, self.decay)
+        return [loss_sum, grad_norm]
+
+    # -- one optimizer step -----------------------------------------------------------
+    def __call__(self, params: tree.Tree, opt_state: dict, micro_batches: list[dict[str, torch.Tensor]],
+                 lr: float, n_tokens: torch.Tensor | None = None) -> tuple[tree.Tree, dict, dict[str, torch.Tensor]]:
+        """Run one step; returns ``(params, opt_state, metrics)`` with ``loss`` (mean over the
+        global batch's tokens) and ``grad_norm`` (before clipping) as 0-dim tensors.
+
+        ``n_tokens`` is the global batch's loss-token count; it defaults to this rank's
+        micro batches (right for a single device)."""
+        flat = tree.leaves(params)
+        device = flat[0].device
+        if n_tokens is None:
+            n_tokens = count_tokens(micro_batches)
+        inv_tokens = (1.0 / n_tokens).to(device)
+        lr_t = torch.tensor(lr, dtype=torch.float32, device=device)
+        loss_sum = torch.zeros((), device=device)
+        accum = None
+        if len(micro_batches) > 1:
+            accum = self._accumulation_buffers(flat)
+            for batch in micro_batches[:-1]:
+                loss_sum = loss_sum + self._accumulate(flat, accum, batch, inv_tokens)
+        last_loss, grad_norm = self._update(flat, opt_state, accum, micro_batches[-1], inv_tokens, lr_t)
+        loss = (loss_sum + last_loss) * inv_tokens
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
+
+    def _accumulation_buffers(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self._accum_buffers is None:
+            self._accum_buffers = [torch.zeros_like(p) for p in flat]
+        else:
+            torch._foreach_zero_(self._accum_buffers)
+        return self._accum_buffers
+
+
+class EvalStep:
+    """Summed loss of a batch without gradients, compiled like the train step."""
+
+    def __init__(self, loss_sum_fn: LossSumFn, compile: bool = True) -> None:
+        self.loss_sum_fn = loss_sum_fn
+        self._fn = torch.compile(self._eval, fullgraph=True, dynamic=False) if compile else self._eval
+
+    def _eval(self, params: tree.Tree, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.loss_sum_fn(params, batch)
+
+    def __call__(self, params: tree.Tree, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self._fn(params, batch)

@@ -1,0 +1,50 @@
+"""A model summary from specs alone: parameters per group and block, FLOPs per token, and a
+shape check that runs the forward pass on meta tensors (no memory is allocated)."""
+
+from __future__ import annotations
+
+import torch
+
+from fxmega import tree
+from fxmega.init import count_params, meta_params
+from fxmega.metrics import model_flops_per_token
+from fxmega.models import family_name, model_for
+
+
+def check_shapes(model_cfg: object, seq_len: int, batch: int = 1) -> tuple[int, ...]:
+    """Run the forward pass on the meta device; returns the logits shape."""
+    model = model_for(model_cfg)
+    params = meta_params(model.param_specs(model_cfg))
+    tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    logits = model.forward(params, tokens, model_cfg)
+    expected = (batch, seq_len, model_cfg.vocab_size)
+    if tuple(logits.shape) != expected:
+        raise AssertionError(f"forward returned logits of shape {tuple(logits.shape)}, expected {expected}")
+    return tuple(logits.shape)
+
+
+def summary(model_cfg: object, seq_len: int) -> str:
+    specs = model_for(model_cfg).param_specs(model_cfg)
+    rows: list[tuple[str, int, str]] = []
+    for key, sub in specs.items():
+        if key == "blocks":
+            per_block = count_params(sub[0])
+            rows.append((f"blocks ({len(sub)} x {per_block:,})", count_params(sub), ""))
+            for name, part in sub[0].items():
+                shapes = ", ".join(f"{p.rsplit('.', 1)[-1]} {list(s.shape)}" for p, s in tree.items({name: part})
+                                   if len(s.shape) > 1)
+                rows.append((f"  {name}", count_params(part), shapes))
+        else:
+            shapes = ", ".join(f"{list(s.shape)} {s.axes}" for s in tree.leaves(sub))
+            rows.append((key, count_params(sub), shapes))
+    logits = check_shapes(model_cfg, seq_len)
+    total = count_params(specs)
+    flops = model_flops_per_token(specs, model_cfg, seq_len)
+    width = max(len(r[0]) for r in rows) + 2
+    lines = [f"{family_name(model_cfg)} model: d_model={model_cfg.d_model}, n_layers={model_cfg.n_layers}, "
+             f"n_heads={model_cfg.n_heads}, vocab_size={model_cfg.vocab_size}"]
+    lines += [f"  {name:<{width}}{n:>15,}  {shapes}".rstrip() for name, n, shapes in rows]
+    lines.append(f"parameters: {total:,}")
+    lines.append(f"FLOPs/token at seq_len {seq_len}: {flops:,} (6N + 12*L*H*Q*T; N without position embeddings)")
+    lines.append(f"shape check on meta tensors: logits {list(logits)} ok")
+    return "\n".join(lines)
