@@ -30,14 +30,21 @@ from fxmega.models import gpt  # noqa: E402
 from fxmega.train import Run  # noqa: E402
 
 
-def timed(step_fn, steps: int, warmup: int, sync) -> list[float]:
-    times = []
-    for i in range(warmup + steps):
-        t0 = time.perf_counter()
-        step_fn(i)
-        sync()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+def interleaved(step_fns: dict, steps: int, warmup: int, rounds: int, sync) -> dict[str, list[float]]:
+    """Step times per method, measured in alternating rounds so that drift in the machine's
+    speed (shared CPUs, frequency changes) falls on every method alike."""
+    for fn in step_fns.values():
+        for i in range(warmup):
+            fn(i)
+            sync()
+    times: dict[str, list[float]] = {name: [] for name in step_fns}
+    for r in range(rounds):
+        for name, fn in step_fns.items():
+            for i in range(steps):
+                t0 = time.perf_counter()
+                fn(r * steps + i)
+                sync()
+                times[name].append(time.perf_counter() - t0)
     return times
 
 
@@ -49,10 +56,14 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per method per round")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per method (compilation)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (all three methods)")
     args = ap.parse_args()
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     tokens_per_step = args.batch * args.seq
@@ -67,12 +78,7 @@ def main() -> None:
     )
     run = Run(cfg)
     batches = [run.train_data.global_batch(i, args.batch) for i in range(4)]
-    results = {}
-    t0 = time.perf_counter()
-    results["fxmega compiled step"] = timed(lambda i: run.do_step(), args.steps, args.warmup, sync)
-    print(f"fxmega: warm-up incl. compile {time.perf_counter() - t0 - sum(results['fxmega compiled step']):.1f} s",
-          file=sys.stderr)
-
+    step_fns = {"fxmega compiled step": lambda i: run.do_step()}
     for name, compile_model in (("plain nn.Module eager", False), ("plain nn.Module compiled", True)):
         torch.manual_seed(0)
         model = PlainGPT(args.vocab, args.seq, args.d_model, args.layers, args.heads).to(device)
@@ -87,7 +93,8 @@ def main() -> None:
             opt.zero_grad(set_to_none=True)
             loss.item()
 
-        results[name] = timed(plain_step, args.steps, args.warmup, sync)
+        step_fns[name] = plain_step
+    results = interleaved(step_fns, args.steps, args.warmup, args.rounds, sync)
 
     ours = tokens_per_step / statistics.median(results["fxmega compiled step"])
     print(f"\nGPT d_model={args.d_model} layers={args.layers} heads={args.heads} vocab={args.vocab} "

@@ -18,6 +18,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -85,7 +86,8 @@ def load(path: str | Path, template: dict[str, Any]) -> dict[str, Any]:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(template, checkpoint_id=str(path), no_dist=_single_process())
+            with torch.no_grad():  # parameters are leaves that require grad; loading overwrites them
+                dcp.load(template, checkpoint_id=str(path), no_dist=_single_process())
     except Exception as e:  # DCP raises many types; name the checkpoint and the cause
         raise CheckpointError(f"could not load checkpoint {path}: {type(e).__name__}: {e}") from e
     return template

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxmega.sharding.layout import local
+from fxmega.sharding.layout import active, local, shard
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -93,8 +93,9 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope_th
     return out.transpose(1, 2)
 
 
-_QKV_AXES = ("batch", "seq", "heads", "head_dim")
-_KV_AXES = ("batch", "seq", "kv_heads", "head_dim")
+# Inside attention the sequence is whole (None): batch and heads may be split.
+_QKV_AXES = ("batch", None, "heads", "head_dim")
+_KV_AXES = ("batch", None, "kv_heads", "head_dim")
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -113,10 +114,21 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor,
 
     Returns a sum, not a mean: the step divides by the token count of the whole global
     batch, so that gradient accumulation and data parallelism give the same loss.
+
+    Written with reductions and a one-hot match rather than ``gather`` so that it also runs
+    on logits split over the vocabulary (Megatron's vocab-parallel cross-entropy): each
+    reduction over the vocabulary then becomes a partial result that the sharding layer
+    all-reduces, and the full logits are never gathered.
     """
     logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    target_logit = torch.gather(logits, -1, targets.unsqueeze(-1)).squeeze(-1)
+    shift = logits.amax(dim=-1, keepdim=True).detach()  # for stability; the loss does not depend on it
+    shifted = logits - shift
+    lse = shifted.exp().sum(dim=-1).log()
+    if active() is None:  # one device: gather is cheaper than a one-hot match in eager mode
+        target_logit = torch.gather(shifted, -1, targets.unsqueeze(-1)).squeeze(-1)
+    else:
+        vocab_ids = shard(torch.arange(logits.shape[-1], device=targets.device), "vocab")
+        target_logit = (shifted * (vocab_ids == targets.unsqueeze(-1))).sum(dim=-1)
     per_token = lse - target_logit
     if loss_mask is not None:
         per_token = per_token * loss_mask

@@ -37,6 +37,13 @@ def enable_autograd_in_compile() -> None:
         torch._dynamo.config.trace_autograd_ops = True
 
 
+def trainable(params: tree.Tree) -> tree.Tree:
+    """Mark every parameter as a leaf that requires grad (in place; returns the tree)."""
+    for p in tree.leaves(params):
+        p.requires_grad_(True)
+    return params
+
+
 def count_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
     """Tokens that count towards the loss over a list of micro batches, as a 0-dim tensor."""
     total = sum(float(b["loss_mask"].sum()) if "loss_mask" in b else b["targets"].numel() for b in micro_batches)
@@ -45,6 +52,9 @@ def count_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
 
 class TrainStep:
     """A compiled (or eager) training step over flat parameter lists.
+
+    Parameters must be leaf tensors with ``requires_grad=True`` (``trainable`` makes them
+    so); the step differentiates with respect to them and updates them in place.
 
     ``loss_sum_fn(params_tree, batch)`` is the model's summed loss; ``structure`` is any tree
     with the parameters' structure (the spec tree), used to rebuild the tree for the model.
@@ -69,25 +79,28 @@ class TrainStep:
     # -- the two graphs ---------------------------------------------------------------
     def _loss_and_grads(self, flat_params: list[torch.Tensor], batch: dict[str, torch.Tensor],
                         inv_tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        leaves = [p.detach().requires_grad_() for p in flat_params]
-        loss_sum = self.loss_sum_fn(tree.unflatten_like(self.structure, leaves), batch)
-        grads = torch.autograd.grad(loss_sum * inv_tokens, leaves)
+        # The parameters are leaf tensors that require grad, so no requires_grad_() is
+        # traced (torch 2.11's dynamo cannot trace it; 2.13's can).
+        loss_sum = self.loss_sum_fn(tree.unflatten_like(self.structure, flat_params), batch)
+        grads = torch.autograd.grad(loss_sum * inv_tokens, flat_params)
         return loss_sum.detach(), list(grads)
 
     def _accumulate_fn(self, flat_params: list[torch.Tensor], accum: list[torch.Tensor],
                        batch: dict[str, torch.Tensor], inv_tokens: torch.Tensor) -> torch.Tensor:
         loss_sum, grads = self._loss_and_grads(flat_params, batch, inv_tokens)
-        torch._foreach_add_(accum, grads)
+        with torch.no_grad():
+            torch._foreach_add_(accum, grads)
         return loss_sum
 
     def _update_fn(self, flat_params: list[torch.Tensor], opt_state: dict, accum: list[torch.Tensor] | None,
                    batch: dict[str, torch.Tensor], inv_tokens: torch.Tensor, lr: torch.Tensor) -> list[torch.Tensor]:
         loss_sum, grads = self._loss_and_grads(flat_params, batch, inv_tokens)
-        if accum is not None:
-            torch._foreach_add_(accum, grads)
-            grads = accum
-        grad_norm = clip_by_global_norm_(grads, self.clip_grad)
-        adamw_update(flat_params, grads, opt_state, lr, self.hyper, self.decay)
+        with torch.no_grad():
+            if accum is not None:
+                torch._foreach_add_(accum, grads)
+                grads = accum
+            grad_norm = clip_by_global_norm_(grads, self.clip_grad)
+            adamw_update(flat_params, grads, opt_state, lr, self.hyper, self.decay)
         return [loss_sum, grad_norm]
 
     # -- one optimizer step -----------------------------------------------------------

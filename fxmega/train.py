@@ -28,7 +28,7 @@ from fxmega.metrics import Throughput, device_peak, model_flops_per_token
 from fxmega.models import family_name, lm_loss_sum, model_for
 from fxmega.optim import AdamWHyper, adamw_init, decay_mask
 from fxmega.schedules import lr_at
-from fxmega.step import EvalStep, TrainStep
+from fxmega.step import EvalStep, TrainStep, trainable
 
 
 def pick_device(name: str) -> torch.device:
@@ -73,7 +73,7 @@ class Run:
         self.device = pick_device(t.device)
         self.model = model_for(cfg.model)
         self.specs = self.model.param_specs(cfg.model)
-        self.params = init_params(self.specs, t.seed, self.device)
+        self.params = trainable(init_params(self.specs, t.seed, self.device))
         self.opt_state = adamw_init(tree.leaves(self.params))
         self.step = 0  # optimizer steps taken
         hyper = AdamWHyper(cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay)

@@ -98,35 +98,39 @@ def attention(p: dict, x: torch.Tensor) -> torch.Tensor:
 
 def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     h = layers.gelu_tanh(layers.linear(x, p["w_in"], p["b_in"]))
-    h = shard(h, "batch", "seq", "mlp")
+    h = shard(h, "batch", None, "mlp")
     return layers.linear(h, p["w_out"], p["b_out"])
 
 
 def block(p: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
-    x = x + shard(attention(p["attn"], layers.layer_norm(x, **p["attn_norm"], eps=cfg.norm_eps)),
-                  "batch", "seq", "embed")
-    x = x + shard(mlp(p["mlp"], layers.layer_norm(x, **p["mlp_norm"], eps=cfg.norm_eps)),
-                  "batch", "seq", "embed")
-    return x
+    """One pre-LN block on the residual stream ``x [batch, seq, embed]``.
+
+    Each sublayer reads the whole sequence (``None``: never split inside a block) and its
+    output is brought back to the residual stream's layout: with sequence parallelism that
+    is Megatron's all-gather before and reduce-scatter after each sublayer.
+    """
+    h = shard(layers.layer_norm(x, **p["attn_norm"], eps=cfg.norm_eps), "batch", None, "embed")
+    x = x + shard(attention(p["attn"], h), "batch", "seq", "embed")
+    h = shard(layers.layer_norm(x, **p["mlp_norm"], eps=cfg.norm_eps), "batch", None, "embed")
+    return x + shard(mlp(p["mlp"], h), "batch", "seq", "embed")
 
 
-def embed(params: dict, tokens: torch.Tensor) -> torch.Tensor:
-    seq = tokens.shape[1]
-    x = torch.nn.functional.embedding(tokens, params["embed"]["tokens"])
-    x = x + params["embed"]["positions"][:seq]
-    return shard(x, "batch", "seq", "embed")
+def embed(params: dict, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """Token plus position embeddings: the residual stream's start."""
+    x = shard(torch.nn.functional.embedding(tokens, params["embed"]["tokens"]), "batch", "seq", "embed")
+    return x + shard(params["embed"]["positions"][: tokens.shape[1]], "seq", "embed")
 
 
 def head(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Final LayerNorm and the tied output projection onto the vocabulary."""
-    x = layers.layer_norm(x, **params["final_norm"], eps=cfg.norm_eps)
+    x = shard(layers.layer_norm(x, **params["final_norm"], eps=cfg.norm_eps), "batch", None, "embed")
     logits = layers.linear(x, params["embed"]["tokens"].t())
-    return shard(logits, "batch", "seq", "vocab")
+    return shard(logits, "batch", None, "vocab")
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Logits ``[batch, seq, vocab]`` for ``tokens [batch, seq]``."""
-    x = embed(params, tokens)
+    x = embed(params, tokens, cfg)
     for p in params["blocks"]:
         x = block(p, x, cfg)
     return head(params, x, cfg)

@@ -103,32 +103,33 @@ def attention(p: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
 def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
     h = torch.nn.functional.silu(layers.linear(x, p["w_gate"])) * layers.linear(x, p["w_up"])
-    h = shard(h, "batch", "seq", "mlp")
+    h = shard(h, "batch", None, "mlp")
     return layers.linear(h, p["w_down"])
 
 
 def block(p: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
-    x = x + shard(attention(p["attn"], layers.rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps), cfg),
-                  "batch", "seq", "embed")
-    x = x + shard(mlp(p["mlp"], layers.rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps)),
-                  "batch", "seq", "embed")
-    return x
+    """One pre-norm block on the residual stream ``x [batch, seq, embed]``; sublayers read
+    the whole sequence (see ``gpt.block``)."""
+    h = shard(layers.rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps), "batch", None, "embed")
+    x = x + shard(attention(p["attn"], h, cfg), "batch", "seq", "embed")
+    h = shard(layers.rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "batch", None, "embed")
+    return x + shard(mlp(p["mlp"], h), "batch", "seq", "embed")
 
 
-def embed(params: dict, tokens: torch.Tensor) -> torch.Tensor:
+def embed(params: dict, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     x = torch.nn.functional.embedding(tokens, params["embed"]["tokens"])
     return shard(x, "batch", "seq", "embed")
 
 
 def head(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Final RMSNorm and the (untied) output projection onto the vocabulary."""
-    x = layers.rms_norm(x, params["final_norm"]["scale"], cfg.norm_eps)
-    return shard(layers.linear(x, params["head"]), "batch", "seq", "vocab")
+    x = shard(layers.rms_norm(x, params["final_norm"]["scale"], cfg.norm_eps), "batch", None, "embed")
+    return shard(layers.linear(x, params["head"]), "batch", None, "vocab")
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Logits ``[batch, seq, vocab]`` for ``tokens [batch, seq]``."""
-    x = embed(params, tokens)
+    x = embed(params, tokens, cfg)
     for p in params["blocks"]:
         x = block(p, x, cfg)
     return head(params, x, cfg)

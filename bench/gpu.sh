@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GPU checks behind the README's GPU numbers, in one script (a lent GPU has minutes,
+# not hours): compiled vs eager on CUDA, the default run, and the step benchmark.
+# Usage: bash bench/gpu.sh OUT_DIR   (runs from the repository root, no install needed)
+set -uo pipefail
+out=${1:-/tmp/fxmega-gpu}
+mkdir -p "$out"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+python3 - <<'PY' 2>&1 | tee "$out/env.txt"
+import torch, sys
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name(0))
+PY
+echo "== compiled vs eager on CUDA (tiny GPT and tiny Llama, 10 steps each)"
+python3 - <<'PY' 2>&1 | tee "$out/parity.txt"
+import torch
+from torch._dynamo.utils import counters
+from fxmega.config import load, override
+from fxmega.train import Run
+for name in ("configs/tiny_gpt.py", "configs/tiny_llama.py"):
+    cfg = override(load(name), ["train.device=cuda", "train.steps=10"])
+    losses = {}
+    for compiled in (False, True):
+        counters.clear()
+        run = Run(override(cfg, [f"train.compile={compiled}"]))
+        losses[compiled] = [run.do_step()["loss"] for _ in range(10)]
+    diff = max(abs(a - b) / abs(b) for a, b in zip(losses[True], losses[False]))
+    print(name, "eager", [round(x, 5) for x in losses[False][::3]], "compiled", [round(x, 5) for x in losses[True][::3]],
+          "max rel diff", f"{diff:.2e}", "graphs", counters["stats"]["unique_graphs"])
+PY
+echo "== default run on CUDA (shakespeare_gpt, 800 steps)"
+python3 run.py --config configs/shakespeare_gpt.py --device cuda --no-progress --set train.save_dir= \
+  --set train.tensorboard_dir= --log-jsonl "$out/shakespeare.jsonl" 2>&1 | grep -v "^step .*|" | tail -25 | tee "$out/shakespeare.txt"
+echo "== step benchmark, fp32 with TF32 matmuls, GPT-2 124M shape"
+python3 bench/step.py --device cuda --tf32 --d-model 768 --layers 12 --heads 12 --vocab 50304 --seq 1024 --batch 8 \
+  2>&1 | tail -6 | tee "$out/bench_124m.txt"
+echo "== step benchmark, small GPT (launch-overhead bound)"
+python3 bench/step.py --device cuda --tf32 --d-model 256 --layers 4 --heads 8 --vocab 4096 --seq 256 --batch 16 \
+  2>&1 | tail -6 | tee "$out/bench_small.txt"
