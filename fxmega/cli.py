@@ -43,6 +43,10 @@ FLAG_KEYS = {
     "--adam-beta2": "optim.beta2",
     "--adam-eps": "optim.eps",
     "--data-path": "data.source",
+    "--mesh": "parallel.mesh",
+    "--rules": "parallel.rules",
+    "--zero": "parallel.zero",
+    "--ddp-bucket-size": "parallel.bucket_size",
 }
 
 
@@ -58,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mock-data", action="store_true", help="train on deterministic synthetic tokens")
     parser.add_argument("--no-compile", action="store_true", help="run the same step eagerly, without torch.compile")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="split the residual stream along the sequence over tp (Megatron's sequence parallelism)")
+    parser.add_argument("--explain", action="store_true",
+                        help="print the sharding plan for --mesh (any size, no processes started) and exit")
     for flag, key in FLAG_KEYS.items():
         parser.add_argument(flag, dest=f"flag:{flag}", metavar=key.split(".")[1].upper(), help=f"sets {key}")
     return parser
@@ -71,10 +79,13 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         assignments.append("data.source=mock")
     if args.no_compile:
         assignments.append("train.compile=false")
+    if args.sequence_parallel:
+        assignments.append("parallel.sequence_parallel=true")
     return override(cfg, assignments + args.overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
@@ -84,10 +95,34 @@ def main(argv: list[str] | None = None) -> int:
             cfg.validate()
             print(summary(cfg.model, cfg.train.seq_len))
             return 0
-        from fxmega.train import train
+        if args.explain:
+            from fxmega.models import model_for
+            from fxmega.sharding.strategy import plan_from
 
-        train(cfg, progress=not args.no_progress)
-        return 0
+            plan = plan_from(model_for(cfg.model).param_specs(cfg.model), cfg.parallel)
+            cfg.validate(plan.mesh.data_size)
+            print(plan.explain())
+            return 0
+        return _train(cfg, argv, progress=not args.no_progress)
     except FxmegaError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _train(cfg: RunConfig, argv: list[str], progress: bool) -> int:
+    from fxmega.sharding import distributed
+    from fxmega.sharding.mesh import MeshSpec
+    from fxmega.train import train
+
+    mesh = MeshSpec.parse(cfg.parallel.mesh)
+    if not distributed.under_launcher():
+        if mesh.world_size > 1:
+            return distributed.relaunch(mesh.world_size, argv)
+        train(cfg, progress=progress)
+        return 0
+    parallel, device = distributed.setup(cfg, mesh)
+    try:
+        train(cfg, progress=progress, parallel=parallel, device=device)
+    finally:
+        distributed.shutdown()
+    return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import runpy
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,6 +71,17 @@ class DataConfig:
     valid_fraction: float = 0.05  # tail of the corpus held out for validation
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    mesh: str = "1"  # "2x2" (sizes for dp, tp, pp in turn) or "dp=2,tp=2"
+    rules: str | dict = "megatron"  # a preset name (fxmega.sharding.rules.PRESETS) or a rules dict
+    zero: int = -1  # ZeRO stage 0-3 over dp; -1 takes the preset's
+    sequence_parallel: bool = False  # split the residual stream along seq over tp
+    bucket_size: int = 40_000_000  # elements per gradient-reduction bucket (Megatron: --ddp-bucket-size)
+    timeout_s: int = 600  # collectives that wait longer fail instead of hanging
+    zero3_regather: bool = True  # ZeRO-3: re-gather parameters in the backward instead of keeping them
+
+
 ModelConfig = gpt.Config | llama.Config
 
 
@@ -79,6 +91,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     name: str = "run"
 
     def validate(self, data_parallel_size: int = 1) -> RunConfig:
@@ -168,7 +181,7 @@ def parse_value(raw: str, kind: Any, key: str) -> Any:
             what = "a number" if kind is float else "a whole number"
             raise ConfigError(f"{key}={raw!r}: expected {what}, e.g. {key}={example}") from None
         return value
-    if kind is str:
+    if kind is str or (isinstance(kind, types.UnionType) and str in typing.get_args(kind)):
         return raw
     raise ConfigError(f"{key} cannot be set from the command line (type {kind}); set it in the config file")
 
@@ -220,3 +233,7 @@ def _validate(cfg: RunConfig, dp: int) -> None:
     _require(o.weight_decay >= 0 and o.clip_grad >= 0, "optim.weight_decay and optim.clip_grad must not be negative")
     _require(0 < d.valid_fraction < 1, f"data.valid_fraction={d.valid_fraction} must be between 0 and 1")
     _require(d.tokenizer == "byte", f"data.tokenizer={d.tokenizer!r}: only 'byte' is available so far")
+    p = cfg.parallel
+    _require(p.zero in (-1, 0, 1, 2, 3), f"parallel.zero={p.zero}: use 0, 1, 2 or 3")
+    _require(p.bucket_size >= 0, f"parallel.bucket_size={p.bucket_size} must be zero (one bucket) or positive")
+    _require(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be positive")

@@ -108,8 +108,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return fn(q, k, v, rope_theta)
 
 
-def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor,
-                      loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None = None,
+                      vocab_size: int = 0) -> torch.Tensor:
     """Sum over tokens of ``-log softmax(logits)[target]``, computed in fp32.
 
     Returns a sum, not a mean: the step divides by the token count of the whole global
@@ -119,16 +119,25 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor,
     on logits split over the vocabulary (Megatron's vocab-parallel cross-entropy): each
     reduction over the vocabulary then becomes a partial result that the sharding layer
     all-reduces, and the full logits are never gathered.
+
+    ``vocab_size`` smaller than the logits' last dim masks the padding columns (added so
+    that tensor parallelism divides the vocabulary) out of the softmax.
     """
     logits = logits.float()
+    sharded = active() is not None
+    if sharded:
+        vocab_ids = shard(torch.arange(logits.shape[-1], device=targets.device), "vocab")
+    if vocab_size and vocab_size < logits.shape[-1]:
+        ids = vocab_ids if sharded else torch.arange(logits.shape[-1], device=targets.device)
+        logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
     shift = logits.amax(dim=-1, keepdim=True).detach()  # for stability; the loss does not depend on it
     shifted = logits - shift
     lse = shifted.exp().sum(dim=-1).log()
-    if active() is None:  # one device: gather is cheaper than a one-hot match in eager mode
+    if not sharded:  # one device: gather is cheaper than a one-hot match in eager mode
         target_logit = torch.gather(shifted, -1, targets.unsqueeze(-1)).squeeze(-1)
     else:
-        vocab_ids = shard(torch.arange(logits.shape[-1], device=targets.device), "vocab")
-        target_logit = (shifted * (vocab_ids == targets.unsqueeze(-1))).sum(dim=-1)
+        # masked_fill, not a product with the one-hot mask: padding columns hold -inf
+        target_logit = shifted.masked_fill(vocab_ids != targets.unsqueeze(-1), 0.0).sum(dim=-1)
     per_token = lse - target_logit
     if loss_mask is not None:
         per_token = per_token * loss_mask

@@ -12,6 +12,7 @@ The arithmetic is ``torch.optim.AdamW``'s, operation for operation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,16 +51,27 @@ def adamw_init(params: list[torch.Tensor]) -> dict:
     }
 
 
-def global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of all gradients taken together, in fp32."""
-    norms = torch._foreach_norm([g.float() for g in grads])
-    return torch.linalg.vector_norm(torch.stack(norms))
+def global_norm(grads: list[torch.Tensor], weights: torch.Tensor | None = None,
+                sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """L2 norm of all gradients taken together, in fp32.
+
+    For sharded gradients, ``weights`` (one 0/1 per tensor) keeps each element counted on
+    exactly one rank and ``sum_over_ranks`` adds the squared norms of all ranks."""
+    norms = torch.stack(torch._foreach_norm([g.float() for g in grads]))
+    squares = norms * norms
+    if weights is not None:
+        squares = squares * weights
+    total = squares.sum()
+    if sum_over_ranks is not None:
+        total = sum_over_ranks(total)
+    return total.sqrt()
 
 
-def clip_by_global_norm_(grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_by_global_norm_(grads: list[torch.Tensor], max_norm: float, weights: torch.Tensor | None = None,
+                         sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Scale ``grads`` in place so their global norm is at most ``max_norm`` (0: no clipping).
     Returns the norm before clipping. No data-dependent branch, so it compiles whole."""
-    norm = global_norm(grads)
+    norm = global_norm(grads, weights, sum_over_ranks)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))

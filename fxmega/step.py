@@ -26,8 +26,9 @@ import torch._dynamo
 
 from fxmega import tree
 from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_
+from fxmega.sharding.zero3 import backward_phase
 
-LossSumFn = Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]
+LossSumFn = Callable[[list[torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]
 
 
 def enable_autograd_in_compile() -> None:
@@ -56,19 +57,23 @@ class TrainStep:
     Parameters must be leaf tensors with ``requires_grad=True`` (``trainable`` makes them
     so); the step differentiates with respect to them and updates them in place.
 
-    ``loss_sum_fn(params_tree, batch)`` is the model's summed loss; ``structure`` is any tree
-    with the parameters' structure (the spec tree), used to rebuild the tree for the model.
+    ``loss_sum_fn(flat_params, batch)`` returns the summed loss of one micro batch on this
+    rank. With ``parallel`` (a ``fxmega.sharding.runtime.Parallel``) the parameters are this
+    rank's shards, and the step adds the cross-rank work: gradient reduction over the data
+    axes (bucketed; reduce-scatter for ZeRO), the global gradient norm over all shards, the
+    update of this rank's optimizer shard, and the all-gather of updated ZeRO-1/2 shards.
     """
 
-    def __init__(self, loss_sum_fn: LossSumFn, structure: tree.Tree, decay: list[bool],
-                 hyper: AdamWHyper, clip_grad: float, compile: bool = True) -> None:
+    def __init__(self, loss_sum_fn: LossSumFn, decay: list[bool], hyper: AdamWHyper, clip_grad: float,
+                 compile: bool = True, parallel: Any = None) -> None:
         self.loss_sum_fn = loss_sum_fn
-        self.structure = structure
         self.decay = decay
         self.hyper = hyper
         self.clip_grad = clip_grad
+        self.parallel = parallel
         self.compiled = compile
         self._accum_buffers: list[torch.Tensor] | None = None
+        self._norm_weights: torch.Tensor | None = None
         if compile:
             enable_autograd_in_compile()
             self._accumulate = torch.compile(self._accumulate_fn, fullgraph=True, dynamic=False)
@@ -81,9 +86,12 @@ class TrainStep:
                         inv_tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # The parameters are leaf tensors that require grad, so no requires_grad_() is
         # traced (torch 2.11's dynamo cannot trace it; 2.13's can).
-        loss_sum = self.loss_sum_fn(tree.unflatten_like(self.structure, flat_params), batch)
-        grads = torch.autograd.grad(loss_sum * inv_tokens, flat_params)
-        return loss_sum.detach(), list(grads)
+        loss_sum = self.loss_sum_fn(flat_params, batch)
+        with backward_phase():
+            grads = list(torch.autograd.grad(loss_sum * inv_tokens, flat_params))
+        if self.parallel is not None:
+            grads = self.parallel.micro_grads(grads)
+        return loss_sum.detach(), grads
 
     def _accumulate_fn(self, flat_params: list[torch.Tensor], accum: list[torch.Tensor],
                        batch: dict[str, torch.Tensor], inv_tokens: torch.Tensor) -> torch.Tensor:
@@ -93,14 +101,24 @@ class TrainStep:
         return loss_sum
 
     def _update_fn(self, flat_params: list[torch.Tensor], opt_state: dict, accum: list[torch.Tensor] | None,
-                   batch: dict[str, torch.Tensor], inv_tokens: torch.Tensor, lr: torch.Tensor) -> list[torch.Tensor]:
+                   batch: dict[str, torch.Tensor], inv_tokens: torch.Tensor, lr: torch.Tensor,
+                   norm_weights: torch.Tensor | None) -> list[torch.Tensor]:
         loss_sum, grads = self._loss_and_grads(flat_params, batch, inv_tokens)
+        par = self.parallel
         with torch.no_grad():
             if accum is not None:
                 torch._foreach_add_(accum, grads)
                 grads = accum
-            grad_norm = clip_by_global_norm_(grads, self.clip_grad)
-            adamw_update(flat_params, grads, opt_state, lr, self.hyper, self.decay)
+            targets = flat_params
+            if par is not None:
+                grads = par.final_grads(grads)
+                targets = par.opt_views(flat_params)
+                loss_sum = par.sum_over_data(loss_sum)
+            grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights,
+                                             par.sum_over_world if par is not None else None)
+            adamw_update(targets, grads, opt_state, lr, self.hyper, self.decay)
+            if par is not None:
+                par.refresh_params(flat_params, targets)
         return [loss_sum, grad_norm]
 
     # -- one optimizer step -----------------------------------------------------------
@@ -117,19 +135,28 @@ class TrainStep:
             n_tokens = count_tokens(micro_batches)
         inv_tokens = (1.0 / n_tokens).to(device)
         lr_t = torch.tensor(lr, dtype=torch.float32, device=device)
+        if self.parallel is not None and self._norm_weights is None:
+            self._norm_weights = self.parallel.norm_weights(device)
         loss_sum = torch.zeros((), device=device)
         accum = None
         if len(micro_batches) > 1:
             accum = self._accumulation_buffers(flat)
             for batch in micro_batches[:-1]:
                 loss_sum = loss_sum + self._accumulate(flat, accum, batch, inv_tokens)
-        last_loss, grad_norm = self._update(flat, opt_state, accum, micro_batches[-1], inv_tokens, lr_t)
+        if self.parallel is not None and len(micro_batches) > 1:
+            loss_sum = self.parallel.sum_over_data(loss_sum)  # the update graph sums only its own
+        last_loss, grad_norm = self._update(flat, opt_state, accum, micro_batches[-1], inv_tokens, lr_t,
+                                            self._norm_weights)
         loss = (loss_sum + last_loss) * inv_tokens
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
 
     def _accumulation_buffers(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
         if self._accum_buffers is None:
-            self._accum_buffers = [torch.zeros_like(p) for p in flat]
+            if self.parallel is not None:
+                shapes = [lay.local_shape("grad") for lay in self.parallel.layouts]
+                self._accum_buffers = [torch.zeros(s, device=p.device) for s, p in zip(shapes, flat)]
+            else:
+                self._accum_buffers = [torch.zeros_like(p, requires_grad=False) for p in flat]
         else:
             torch._foreach_zero_(self._accum_buffers)
         return self._accum_buffers
@@ -142,9 +169,9 @@ class EvalStep:
         self.loss_sum_fn = loss_sum_fn
         self._fn = torch.compile(self._eval, fullgraph=True, dynamic=False) if compile else self._eval
 
-    def _eval(self, params: tree.Tree, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _eval(self, flat_params: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():
-            return self.loss_sum_fn(params, batch)
+            return self.loss_sum_fn(flat_params, batch)
 
     def __call__(self, params: tree.Tree, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self._fn(params, batch)
+        return self._fn(tree.leaves(params), batch)

@@ -28,7 +28,7 @@ from fxmega.metrics import Throughput, device_peak, model_flops_per_token
 from fxmega.models import family_name, lm_loss_sum, model_for
 from fxmega.optim import AdamWHyper, adamw_init, decay_mask
 from fxmega.schedules import lr_at
-from fxmega.step import EvalStep, TrainStep, trainable
+from fxmega.step import EvalStep, TrainStep, count_tokens, trainable
 
 
 def pick_device(name: str) -> torch.device:
@@ -65,69 +65,113 @@ def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch
 
 
 class Run:
-    """A run's model, parameters, optimizer state, steps and data, on one device."""
+    """A run's model, parameters, optimizer state, steps and data — on one device, or, with
+    ``parallel`` (a ``fxmega.sharding.runtime.Parallel``), this rank's shards of them."""
 
-    def __init__(self, cfg: RunConfig) -> None:
-        self.cfg = cfg.validate()
+    def __init__(self, cfg: RunConfig, parallel: Any = None, device: torch.device | None = None) -> None:
+        self.parallel = parallel
+        data_size = parallel.data_size if parallel is not None else 1
+        self.cfg = cfg.validate(data_size)
         t = cfg.train
-        self.device = pick_device(t.device)
+        self.device = device or pick_device(t.device)
         self.model = model_for(cfg.model)
         self.specs = self.model.param_specs(cfg.model)
-        self.params = trainable(init_params(self.specs, t.seed, self.device))
-        self.opt_state = adamw_init(tree.leaves(self.params))
+        if parallel is None:
+            self.params = trainable(init_params(self.specs, t.seed, self.device))
+            self.opt_state = adamw_init(tree.leaves(self.params))
+            loss_sum = self._single_device_loss_sum
+        else:
+            self.params = parallel.init_params(t.seed, self.device)
+            self.opt_state = parallel.init_opt_state(self.device)
+            loss_sum = parallel.loss_sum_fn(cfg.model)
         self.step = 0  # optimizer steps taken
         hyper = AdamWHyper(cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay)
-        self.train_step = TrainStep(self.loss_sum, self.specs, decay_mask(self.specs, cfg.optim.decay_embeddings),
-                                    hyper, cfg.optim.clip_grad, compile=t.compile)
-        self.eval_step = EvalStep(self.loss_sum, compile=t.compile)
+        self.train_step = TrainStep(loss_sum, decay_mask(self.specs, cfg.optim.decay_embeddings), hyper,
+                                    cfg.optim.clip_grad, compile=t.compile, parallel=parallel)
+        self.eval_step = EvalStep(loss_sum, compile=t.compile)
         self.train_data, self.valid_data, self.tokenizer = build_data(cfg)
 
-    def loss_sum(self, params: dict, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return lm_loss_sum(params, batch, self.cfg.model)
+    def _single_device_loss_sum(self, flat: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return lm_loss_sum(tree.unflatten_like(self.specs, flat), batch, self.cfg.model)
+
+    def _my_micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        micro = self.cfg.train.micro_batch_size
+        if self.parallel is None:
+            return [_to(b, self.device) for b in micro_batches(batch, micro)]
+        par = self.parallel
+        return [_to(b, self.device) for b in micro_batches(batch, micro, par.data_rank, par.data_size)]
 
     def do_step(self) -> dict[str, float]:
         """One optimizer step on the next global batch; returns loss, lr and grad norm."""
         t = self.cfg.train
         batch = self.train_data.global_batch(self.step, t.global_batch_size)
-        micros = [_to(b, self.device) for b in micro_batches(batch, t.micro_batch_size)]
+        n_tokens = count_tokens([batch])  # of the whole global batch, whatever this rank's share
         lr = lr_at(self.step, self.cfg.optim, t.steps)
-        self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state, micros, lr)
+        self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state,
+                                                               self._my_micro_batches(batch), lr, n_tokens)
         self.step += 1
         return {"loss": float(metrics["loss"]), "lr": lr, "grad_norm": float(metrics["grad_norm"])}
 
     def evaluate(self) -> float:
-        """Mean validation loss over ``train.eval_iters`` fixed batches."""
+        """Mean validation loss over ``train.eval_iters`` fixed global batches (the same
+        sequences whatever the mesh)."""
         t = self.cfg.train
-        total, count = 0.0, 0
+        total = torch.zeros((), device=self.device)
+        count = 0
         for i in range(t.eval_iters):
-            batch = _to(self.valid_data.global_batch(i, t.micro_batch_size), self.device)
-            total += float(self.eval_step(self.params, batch))
+            batch = self.valid_data.global_batch(i, t.global_batch_size)
             count += batch["targets"].numel()
-        return total / count
+            for micro in self._my_micro_batches(batch):
+                total += self.eval_step(self.params, micro)
+        if self.parallel is not None:
+            total = self.parallel.sum_over_data(total)
+        return float(total) / count
+
+    def full_params(self) -> dict:
+        """The parameters as full, unsharded tensors (every rank takes part)."""
+        if self.parallel is None:
+            return self.params
+        flat = self.parallel.full_tensors(tree.leaves(self.params))
+        return tree.unflatten_like(self.specs, flat)
 
     def state(self) -> dict[str, Any]:
-        """What a checkpoint holds. The data position is the step: batches are a function of it."""
-        return {"params": self.params, "opt": self.opt_state,
-                "meta": {"step": self.step, "config": str(to_dict(self.cfg))}}
+        """What a checkpoint holds. The data position is the step: batches are a function of
+        it. Sharded runs save DTensors, so each rank writes only its shards."""
+        params, opt = self.params, self.opt_state
+        par = self.parallel
+        if par is not None:
+            params = tree.unflatten_like(self.specs, [par.as_dtensor(p, lay) for p, lay in
+                                                      zip(tree.leaves(params), par.layouts)])
+            opt = {"step": opt["step"],
+                   **{k: [par.as_dtensor(m, lay, "opt") for m, lay in zip(opt[k], par.layouts)]
+                      for k in ("exp_avg", "exp_avg_sq")}}
+        return {"params": params, "opt": opt, "meta": {"step": self.step, "config": str(to_dict(self.cfg))}}
 
     def save(self, root: str) -> str:
         return str(checkpoint.save(root, self.step, self.state()))
 
     def resume(self, root: str) -> bool:
-        """Load the latest checkpoint under ``root`` if there is one."""
+        """Load the latest checkpoint under ``root`` if there is one (into this rank's shards)."""
         path = checkpoint.latest(root)
         if path is None:
             return False
-        state = checkpoint.load(path, {"params": self.params, "opt": self.opt_state, "meta": {"step": 0}})
+        template = self.state()
+        template["meta"] = {"step": 0}
+        state = checkpoint.load(path, template)
         self.step = int(state["meta"]["step"])
-        print(f"resumed from {path} at step {self.step}")
+        self.opt_state["step"].copy_(state["opt"]["step"])
+        if self.parallel is None or self.parallel.rank == 0:
+            print(f"resumed from {path} at step {self.step}")
         return True
 
     def sample(self, n_tokens: int, prompt: str, seed: int) -> str:
+        """Generated text from the full parameters (every rank must call; rank 0's is real)."""
         if self.tokenizer is None:
             return ""
+        params = self.full_params()
+        vocab = self.cfg.model.vocab_size
         ids = torch.tensor([self.tokenizer.encode(prompt)], device=self.device)
-        out = generate(lambda p, x: self.model.forward(p, x, self.cfg.model), self.params, ids, n_tokens,
+        out = generate(lambda p, x: self.model.forward(p, x, self.cfg.model)[..., :vocab], params, ids, n_tokens,
                        self.cfg.train.seq_len, temperature=0.8, top_k=40, seed=seed)
         return self.tokenizer.decode(out[0].tolist())
 
@@ -141,22 +185,30 @@ class RunResult:
     run: Run | None = None
 
 
-def train(cfg: RunConfig, progress: bool = True) -> RunResult:
-    run = Run(cfg)
+def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: torch.device | None = None) -> RunResult:
+    """Train ``cfg``; with ``parallel`` this process is one rank of a sharded run and only
+    rank 0 prints and writes logs (the JSONL has the same fields as a single-device run)."""
+    run = Run(cfg, parallel, device)
+    main = parallel is None or parallel.rank == 0
+    world = 1 if parallel is None else parallel.spec.world_size
+    say = print if main else (lambda *a, **k: None)
     t = cfg.train
     if t.load_dir:
         run.resume(t.load_dir)
     flops = model_flops_per_token(run.specs, cfg.model, t.seq_len)
     peak = device_peak(run.device, torch.float32, t.peak_flops)
-    print(f"model: {family_name(cfg.model)}, {count_params(run.specs):,} parameters, {flops / 1e6:,.1f} MFLOPs/token; "
-          f"device {run.device}; MFU against {peak.flops / 1e12:.3f} TFLOP/s ({peak.source})")
-    print(f"batch: {t.global_batch_size} x {t.seq_len} tokens = micro batch {t.micro_batch_size} x "
-          f"{cfg.grad_accum_steps()} accumulation steps; {t.steps} steps; compile={t.compile}")
-    log = RunLog(t.log_jsonl, t.tensorboard_dir)
+    say(f"model: {family_name(cfg.model)}, {count_params(run.specs):,} parameters, {flops / 1e6:,.1f} MFLOPs/token; "
+        f"device {run.device} x {world}; MFU against {peak.flops / 1e12:.3f} TFLOP/s per device ({peak.source})")
+    dp = 1 if parallel is None else parallel.data_size
+    say(f"batch: {t.global_batch_size} x {t.seq_len} tokens = micro batch {t.micro_batch_size} x "
+        f"{cfg.grad_accum_steps(dp)} accumulation steps x {dp} data-parallel ranks; {t.steps} steps; compile={t.compile}")
+    log = RunLog(t.log_jsonl, t.tensorboard_dir) if main else RunLog()
     result = RunResult(run=run)
-    meter = Throughput(flops, peak)
+    meter = Throughput(flops, peak, world)
     tokens_per_step = t.global_batch_size * t.seq_len
-    bar = tqdm(total=t.steps, initial=run.step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=t.steps, initial=run.step, desc="train", unit="step", disable=not (progress and main),
+               dynamic_ncols=True)
+    echo = bar.write if main else (lambda *a, **k: None)
     first_step = run.step
     while run.step < t.steps:
         t0 = time.perf_counter()
@@ -169,24 +221,24 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
         result.losses.append(m["loss"])
         if (t.eval_interval and step % t.eval_interval == 0) or step == t.steps:
             record["valid_loss"] = result.valid_losses[step] = run.evaluate()
-            bar.write(f"step {step}: validation loss {record['valid_loss']:.4f}")
+            echo(f"step {step}: validation loss {record['valid_loss']:.4f}")
         log.write(record)
         bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.2f}",
                         tok_s=f"{rates['tokens_per_s']:,.0f}", refresh=False)
         bar.update(1)
         if first:
-            bar.write(f"step {step}: first step (includes compilation) took {seconds:.1f} s")
+            echo(f"step {step}: first step took {seconds:.1f} s" + (" (includes compilation)" if t.compile else ""))
             meter.interval()
         elif step % t.log_interval == 0 or step == t.steps:
             avg = meter.interval()
-            bar.write(f"step {step:>6} | loss {m['loss']:.4f} | lr {m['lr']:.3e} | grad norm {m['grad_norm']:.3f} | "
-                      f"{avg['tokens_per_s']:,.0f} tokens/s | MFU {100 * avg['mfu']:.2f}%")
+            echo(f"step {step:>6} | loss {m['loss']:.4f} | lr {m['lr']:.3e} | grad norm {m['grad_norm']:.3f} | "
+                 f"{avg['tokens_per_s']:,.0f} tokens/s | MFU {100 * avg['mfu']:.2f}%")
         if t.save_dir and ((t.save_interval and step % t.save_interval == 0) or step == t.steps):
             result.checkpoint = run.save(t.save_dir)
-            bar.write(f"step {step}: saved checkpoint {result.checkpoint}")
+            echo(f"step {step}: saved checkpoint {result.checkpoint}")
     bar.close()
     log.close()
     if t.sample_tokens and run.tokenizer is not None:
         result.sample = run.sample(t.sample_tokens, t.sample_prompt, t.seed)
-        print("-" * 30 + " sample " + "-" * 30 + f"\n{result.sample}\n" + "-" * 68)
+        say("-" * 30 + " sample " + "-" * 30 + f"\n{result.sample}\n" + "-" * 68)
     return result

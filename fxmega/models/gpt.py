@@ -89,6 +89,12 @@ def param_specs(cfg: Config) -> dict:
     }
 
 
+# Top-level parameter groups read by ``embed`` and by ``head`` (the head is tied to the
+# token embedding).
+EMBED_PARAMS = ("embed",)
+HEAD_PARAMS = ("final_norm", "embed")
+
+
 def attention(p: dict, x: torch.Tensor) -> torch.Tensor:
     qkv = layers.project_to_heads(x, p["wqkv"], p["bqkv"])  # [batch, seq, 3, heads, head_dim]
     q, k, v = qkv.unbind(dim=2)

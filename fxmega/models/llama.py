@@ -92,6 +92,11 @@ def param_specs(cfg: Config) -> dict:
     }
 
 
+# Top-level parameter groups read by ``embed`` and by ``head``.
+EMBED_PARAMS = ("embed",)
+HEAD_PARAMS = ("final_norm", "head")
+
+
 def attention(p: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     q = layers.project_to_heads(x, p["wq"])
     k = layers.project_to_heads(x, p["wk"])

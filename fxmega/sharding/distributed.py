@@ -1,0 +1,88 @@
+"""Process groups: join the one a launcher set up, or start local processes with
+torch.distributed's own elastic launcher. fxmega never spawns or connects ranks itself.
+
+Under ``torchrun`` (or Slurm/Kubernetes through torchrun) the launcher's environment
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) is used as it is; NCCL on CUDA, gloo on
+CPU. ``python run.py --mesh 2x2`` without a launcher re-runs the same command line under
+``python -m torch.distributed.run --standalone --nproc-per-node 4``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fxmega.sharding.mesh import MeshSpec, build_device_mesh, check_world_size
+
+
+def under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def relaunch(nproc: int, argv: list[str]) -> int:
+    """Run ``run.py argv`` on ``nproc`` local processes through torch.distributed.run."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(Path(sys.argv[0]).resolve()), *argv]
+    print(f"starting {nproc} local processes: {' '.join(cmd[1:])}", flush=True)
+    return subprocess.call(cmd)
+
+
+def per_rank_caches() -> None:
+    """Give each rank its own inductor cache: ranks sharing one load each other's compiled
+    graphs, which name process groups by number, and then hang."""
+    rank = os.environ.get("RANK")
+    if rank is None:
+        return
+    base = os.environ.get("FXMEGA_INDUCTOR_CACHE_BASE") or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or \
+        os.path.join("/tmp", f"torchinductor_{os.environ.get('USER', 'user')}")
+    os.environ["FXMEGA_INDUCTOR_CACHE_BASE"] = base
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank{rank}")
+
+
+def init(mesh: MeshSpec, timeout_s: int, device_type: str | None = None):
+    """Join the launcher's process group and build the device mesh; returns
+    ``(device_mesh, rank, device)``."""
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    check_world_size(mesh, world, " ".join(["run.py", *sys.argv[1:]]))
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    return build_device_mesh(mesh, device_type), rank, device
+
+
+def setup(cfg, mesh: MeshSpec):  # -> (Parallel, device)
+    """This rank's ``Parallel`` for a run: process group, device mesh, plan. Prints the
+    resolved mesh (rank 0) and every rank's coordinates."""
+    from fxmega.models import model_for
+    from fxmega.sharding.runtime import Parallel
+    from fxmega.sharding.strategy import plan_from
+
+    per_rank_caches()
+    device_type = None if cfg.train.device == "auto" else cfg.train.device
+    device_mesh, rank, device = init(mesh, cfg.parallel.timeout_s, device_type)
+    specs = model_for(cfg.model).param_specs(cfg.model)
+    plan = plan_from(specs, cfg.parallel)
+    if rank == 0:
+        print(f"mesh: {mesh.describe()}, {plan.strategy.name} (zero {plan.zero})"
+              + (", sequence parallel" if plan.sequence_parallel else "") + "".join(f"\nnote: {n}" for n in plan.notes),
+              flush=True)
+    coords = mesh.coords(rank)
+    print(f"rank {rank}: " + ", ".join(f"{a}={coords[a]}" for a in mesh.names) + f" on {device}", flush=True)
+    return Parallel(plan, device_mesh, rank, specs, cfg.parallel.bucket_size, cfg.parallel.zero3_regather), device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

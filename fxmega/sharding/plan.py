@@ -1,0 +1,235 @@
+"""The sharding planner: a spec tree + rules + mesh → a ``ShardingPlan``.
+
+For every parameter the plan says which dim is split over tp (``tp_dim``), which dim is
+split over the data axes (``zero_dim``, the ``embed`` dim) and over which data axes the
+stored parameter, its gradient and its optimizer state are split. It validates the rules
+against the specs with errors that name the parameter, the dim, the axis and the fix, pads
+a vocabulary that tp does not divide, gives the DTensor placements on the full mesh, the
+local shapes, and a per-rank memory table (``explain``).
+
+The plan is pure data: it needs no process group, so it can be made and printed for any
+mesh on one machine.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fxmega import tree
+from fxmega.errors import ConfigError
+from fxmega.sharding.mesh import DATA_AXES, PHYSICAL_ORDER, MeshSpec
+from fxmega.sharding.rules import LOGICAL_AXES, Strategy, mesh_axes_of
+from fxmega.spec import ParamSpec
+
+KINDS = ("param", "grad", "opt")
+BYTES_PER_ELEMENT = 4  # fp32 parameters, gradients and AdamW moments
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    path: str
+    shape: tuple[int, ...]  # global shape (vocab dims padded to a multiple of tp)
+    axes: tuple[str, ...]
+    tp_dim: int | None
+    zero_dim: int | None
+    data_axes: dict[str, tuple[str, ...]]  # kind -> data axes splitting zero_dim
+    tp_size: int
+    data_sizes: dict[str, int] = field(default_factory=dict)  # data axis -> size
+
+    def data_split(self, kind: str) -> int:
+        return math.prod(self.data_sizes[a] for a in self.data_axes[kind])
+
+    def local_shape(self, kind: str = "param") -> tuple[int, ...]:
+        shape = list(self.shape)
+        if self.tp_dim is not None:
+            shape[self.tp_dim] //= self.tp_size
+        if self.zero_dim is not None:
+            shape[self.zero_dim] //= self.data_split(kind)
+        return tuple(shape)
+
+    def local_numel(self, kind: str = "param") -> int:
+        return math.prod(self.local_shape(kind))
+
+    def placement_names(self, kind: str, mesh: MeshSpec) -> list[str]:
+        """Per mesh axis: ``S(d)`` (split along dim d) or ``R`` (replicated)."""
+        out = []
+        for axis in mesh.names:
+            if axis == "tp" and self.tp_dim is not None:
+                out.append(f"S({self.tp_dim})")
+            elif axis in self.data_axes[kind]:
+                out.append(f"S({self.zero_dim})")
+            else:
+                out.append("R")
+        return out
+
+    def data_index(self, kind: str, coords: dict[str, int]) -> int:
+        """Which slice of ``zero_dim`` a rank holds: data axes in physical order, the first
+        slowest (the nesting DTensor uses for several mesh axes on one dim)."""
+        index = 0
+        for axis in self.data_axes[kind]:
+            index = index * self.data_sizes[axis] + coords[axis]
+        return index
+
+
+@dataclass
+class ShardingPlan:
+    mesh: MeshSpec
+    strategy: Strategy
+    params: dict[str, ParamLayout]
+    vocab_size: int = 0
+    padded_vocab_size: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tp(self) -> int:
+        return self.mesh.size("tp")
+
+    @property
+    def zero(self) -> int:
+        return self.strategy.zero
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return "tp" in mesh_axes_of(self.strategy.rules.get("seq")) and self.tp > 1
+
+    def activation_tp_dims(self, axes: tuple[str | None, ...]) -> int | None:
+        """The dim of an activation split over tp, or None (replicated over tp)."""
+        dims = [i for i, name in enumerate(axes) if name is not None and "tp" in mesh_axes_of(self.strategy.rules.get(name))]
+        if len(dims) > 1:
+            raise ConfigError(f"activation axes {axes} put the tp axis on dims {dims}: a mesh axis can split only one "
+                              f"dim of a tensor; map one of {[axes[d] for d in dims]} to None in the rules")
+        return dims[0] if dims and self.tp > 1 else None
+
+    def bytes_per_rank(self) -> dict[str, int]:
+        return {kind: sum(p.local_numel(kind) for p in self.params.values()) * BYTES_PER_ELEMENT * (2 if kind == "opt" else 1)
+                for kind in KINDS}
+
+    def explain(self) -> str:
+        return explain(self)
+
+
+def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy) -> ShardingPlan:
+    """Validate ``strategy`` against the specs and mesh and lay out every parameter."""
+    rules, zero = strategy.rules, strategy.zero
+    leaves = list(tree.items(specs))
+    known = {a for _, s in leaves for a in s.axes} | set(LOGICAL_AXES)
+    for name, rule in rules.items():
+        if name not in known:
+            raise ConfigError(f"rules name the logical axis {name!r}, which no parameter or activation has; "
+                              f"known names: {', '.join(sorted(known))}")
+        for axis in mesh_axes_of(rule):
+            if axis not in PHYSICAL_ORDER:
+                raise ConfigError(f"rule {name!r}: {rule!r} names the mesh axis {axis!r}, which does not exist; "
+                                  f"mesh axes are {', '.join(PHYSICAL_ORDER)}")
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero {zero}: use 0, 1, 2 or 3")
+    if mesh.size("pp") > 1:
+        raise ConfigError(f"mesh {mesh.describe()} has pp={mesh.size('pp')}: pipeline parallelism is not "
+                          f"implemented yet; use dp, fsdp and tp")
+    tp = mesh.size("tp")
+    data_sizes = {a: mesh.size(a) for a in DATA_AXES}
+    vocab = next((s.shape[s.axes.index("vocab")] for _, s in leaves if "vocab" in s.axes), 0)
+    vocab_split = "tp" in mesh_axes_of(rules.get("vocab"))
+    padded_vocab = -(-vocab // tp) * tp if vocab and vocab_split else vocab
+    plan = ShardingPlan(mesh, strategy, {}, vocab, padded_vocab)
+    if padded_vocab != vocab:
+        plan.notes.append(f"vocab {vocab:,} padded to {padded_vocab:,} so that tp={tp} divides it; "
+                          f"the padded logits are masked out of the loss")
+    for path, spec in leaves:
+        plan.params[path] = _layout(path, spec, rules, zero, mesh, tp, data_sizes, vocab, padded_vocab)
+    return plan
+
+
+def _layout(path: str, spec: ParamSpec, rules: dict, zero: int, mesh: MeshSpec, tp: int,
+            data_sizes: dict[str, int], vocab: int, padded_vocab: int) -> ParamLayout:
+    shape = tuple(padded_vocab if a == "vocab" and n == vocab else n for a, n in zip(spec.axes, spec.shape))
+    tp_dim = zero_dim = None
+    rule_data_axes: tuple[str, ...] = ()
+    for dim, name in enumerate(spec.axes):
+        axes = [a for a in mesh_axes_of(rules.get(name)) if mesh.size(a) > 1]
+        for axis in axes:
+            if axis == "tp":
+                if tp_dim is not None:
+                    raise ConfigError(f"parameter {path} {spec.shape} {spec.axes}: the tp axis would split both dim "
+                                      f"{tp_dim} ({spec.axes[tp_dim]}) and dim {dim} ({name}); map one of them to None")
+                tp_dim = dim
+            elif axis in DATA_AXES:
+                if zero_dim is not None and zero_dim != dim:
+                    raise ConfigError(f"parameter {path} {spec.axes}: data axes would split both dim {zero_dim} and "
+                                      f"dim {dim}; split one dim per parameter over dp/fsdp")
+                zero_dim = dim
+                rule_data_axes += (axis,)
+            else:
+                raise ConfigError(f"parameter {path}: rule {name!r} -> {axis!r}; parameters can be split only over "
+                                  f"tp, dp and fsdp")
+    if tp_dim is not None and tp_dim == zero_dim:
+        raise ConfigError(f"parameter {path} {spec.axes}: dim {tp_dim} ({spec.axes[tp_dim]}) is split over both tp and "
+                          f"data axes; split different dims (the presets split embed over data and heads/mlp/vocab over tp)")
+    if zero_dim is None and zero > 0 and "embed" in spec.axes and mesh.size("dp") > 1:
+        zero_dim = spec.axes.index("embed")
+        if zero_dim == tp_dim:
+            zero_dim = None
+    dp = ("dp",) if mesh.size("dp") > 1 and zero_dim is not None else ()
+    ordered = lambda axes: tuple(a for a in DATA_AXES if a in set(axes))  # noqa: E731
+    data_axes = {
+        "param": ordered(rule_data_axes + (dp if zero >= 3 else ())),
+        "grad": ordered(rule_data_axes + (dp if zero >= 2 else ())),
+        "opt": ordered(rule_data_axes + (dp if zero >= 1 else ())),
+    }
+    if data_axes["param"] and data_axes["opt"] != data_axes["param"]:
+        raise ConfigError(f"zero {zero} shards optimizer state over dp, but the rules already shard {path} over "
+                          f"{'x'.join(data_axes['param'])}: use zero 3 (parameters sharded over dp too) or zero 0 (HSDP: "
+                          f"replicated over dp)")
+    if tp_dim is not None and shape[tp_dim] % tp:
+        n = shape[tp_dim]
+        raise ConfigError(f"parameter {path}: dim {tp_dim} ({spec.axes[tp_dim]}) has size {n}, which tp={tp} does not "
+                          f"divide; choose a tp size that divides {n} or change the model (e.g. "
+                          f"{spec.axes[tp_dim]} = {(n // tp + 1) * tp})")
+    if zero_dim is not None:
+        split = math.prod(data_sizes[a] for a in data_axes["opt"])
+        if shape[zero_dim] % split:
+            raise ConfigError(f"parameter {path}: dim {zero_dim} ({spec.axes[zero_dim]}) has size {shape[zero_dim]}, which "
+                              f"the data axes {'x'.join(data_axes['opt'])} (size {split}) do not divide; choose data-parallel "
+                              f"sizes that divide {shape[zero_dim]}")
+    return ParamLayout(path, shape, spec.axes, tp_dim, zero_dim, data_axes, tp, data_sizes)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return ""
+
+
+def explain(plan: ShardingPlan) -> str:
+    mesh = plan.mesh
+    s = plan.strategy
+    lines = [f"mesh: {mesh.describe()}; physical order {' > '.join(PHYSICAL_ORDER)} (tp varies fastest)",
+             f"strategy: {s.name}, zero {s.zero}" + (", sequence parallel" if plan.sequence_parallel else ""),
+             "rules: " + ", ".join(f"{k} -> {v}" for k, v in s.rules.items())]
+    lines += [f"note: {n}" for n in plan.notes]
+    axes_hdr = ",".join(mesh.names) or "-"
+    rows = [("parameter", "global shape", "logical axes", f"placements ({axes_hdr})", "local shape", "bytes/rank")]
+    for p in plan.params.values():
+        pl = " ".join(p.placement_names("param", mesh)) or "-"
+        opt = " ".join(p.placement_names("opt", mesh))
+        if opt != pl and opt:
+            pl += f" | opt {opt}"
+        rows.append((p.path, str(list(p.shape)), "(" + ", ".join(p.axes) + ")", pl, str(list(p.local_shape())),
+                     _fmt_bytes(p.local_numel() * BYTES_PER_ELEMENT)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for i, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if j < 5 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        if i == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    b = plan.bytes_per_rank()
+    lines.append(f"per rank: parameters {_fmt_bytes(b['param'])}, gradients {_fmt_bytes(b['grad'])}, "
+                 f"AdamW state {_fmt_bytes(b['opt'])}, total {_fmt_bytes(sum(b.values()))} (fp32)")
+    resid = plan.activation_tp_dims(("batch", "seq", "embed"))
+    lines.append("activations: batch split over the data axes (each data rank reads its own micro batches); "
+                 "residual stream [batch, seq, embed] " + ("split along seq over tp (sequence parallel)" if resid == 1
+                                                          else "replicated over tp") +
+                 "; inside blocks heads/mlp/vocab split over tp" * (plan.tp > 1))
+    return "\n".join(lines)

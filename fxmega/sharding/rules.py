@@ -1,0 +1,83 @@
+"""Sharding rules: which mesh axes each logical axis name is split over.
+
+A rule set is a plain dict from logical name to a mesh axis, a tuple of mesh axes, or None
+(never split). Names not in the dict are never split. The same table covers parameters
+(their ``ParamSpec.axes``) and activations (the names model code passes to ``shard``).
+
+Logical names used by fxmega's models:
+  parameters   vocab, position, embed, heads, kv_heads, head_dim, qkv, mlp
+  activations  batch, seq (the residual stream's sequence), embed, heads, kv_heads,
+               head_dim, mlp, vocab; inside a block the sequence is ``None`` (whole)
+
+A strategy also has a ZeRO stage (``--zero``): how much state is sharded over the ``dp``
+axis along each parameter's ``embed`` dim — 1: optimizer state, 2: + gradients, 3: +
+parameters. The ``fsdp`` axis shards what the rules say (``"embed": "fsdp"``).
+
+Write your own by copying one of these:
+
+    rules = {**MEGATRON, "seq": "tp"}            # Megatron with sequence parallelism
+    rules = {"batch": ("dp", "fsdp"), "embed": "fsdp", "mlp": "tp", "heads": "tp",
+             "kv_heads": "tp", "vocab": "tp"}    # 2-D: FSDP over fsdp, TP over tp
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fxmega.errors import ConfigError
+
+Rules = dict[str, "str | tuple[str, ...] | None"]
+
+# Every logical name fxmega's models use, so that a typo in a rule is caught even when the
+# model at hand does not use that (correctly spelled) name, e.g. kv_heads in GPT.
+LOGICAL_AXES = ("batch", "seq", "embed", "vocab", "position", "heads", "kv_heads", "head_dim", "qkv", "mlp")
+
+# Megatron-LM: column-parallel QKV and MLP-in (heads, kv_heads, mlp split over tp),
+# row-parallel attention-out and MLP-out (their *input* dim is split, so the output is a
+# partial sum that the next `shard` reduces), vocab-parallel embedding and cross-entropy.
+MEGATRON: Rules = {
+    "batch": ("dp", "fsdp"),
+    "vocab": "tp",
+    "heads": "tp",
+    "kv_heads": "tp",
+    "mlp": "tp",
+}
+
+# Sequence parallelism: between blocks the residual stream is split along the sequence
+# over tp (LayerNorm and the residual add run on 1/tp of the tokens).
+SEQUENCE_PARALLEL: Rules = {**MEGATRON, "seq": "tp"}
+
+# FSDP: every parameter's `embed` dim split over the fsdp axis (gathered block by block
+# inside the step); composes with the tp entries.
+FSDP: Rules = {**MEGATRON, "embed": "fsdp"}
+
+
+@dataclass(frozen=True)
+class Strategy:
+    rules: Rules = field(default_factory=lambda: dict(MEGATRON))
+    zero: int = 0
+    name: str = "custom"
+
+
+PRESETS: dict[str, Strategy] = {
+    "megatron": Strategy(MEGATRON, 0, "megatron"),
+    "megatron-sp": Strategy(SEQUENCE_PARALLEL, 0, "megatron-sp"),
+    "zero1": Strategy(MEGATRON, 1, "zero1"),
+    "zero2": Strategy(MEGATRON, 2, "zero2"),
+    "zero3": Strategy(MEGATRON, 3, "zero3"),
+    "fsdp": Strategy(FSDP, 0, "fsdp"),
+    "hsdp": Strategy(FSDP, 0, "hsdp"),  # with a dp x fsdp mesh: replicate over dp, shard over fsdp
+}
+
+
+def preset(name: str) -> Strategy:
+    if name not in PRESETS:
+        raise ConfigError(f"unknown sharding preset {name!r}: use one of {', '.join(PRESETS)} "
+                          f"or write rules in the config file (parallel.rules)")
+    return PRESETS[name]
+
+
+def mesh_axes_of(rule: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    if rule is None:
+        return ()
+    return (rule,) if isinstance(rule, str) else tuple(rule)

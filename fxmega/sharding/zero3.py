@@ -1,0 +1,99 @@
+"""ZeRO-3 / FSDP: gather a block's parameters just before the block runs, and free them
+after, in the forward and again in the backward.
+
+Parameters are stored sharded over the data axes. ``gathered_call`` runs one piece of the
+model (the embedding, a block, the head) inside ``torch.utils.checkpoint`` with a selective
+policy: the all-gather, its wait and the copies that unpack it are *recomputed* in the
+backward, while everything the model computes is saved as usual. So the full parameters of
+a block exist only while that block runs, in either pass — measured here, the whole-step
+compiled graph otherwise keeps every gathered parameter alive from the forward to the
+backward (torchtitan's SimpleFSDP policy alone does not free them in a graph that also
+traces ``autograd.grad``: the views of the gathered weights must be recomputed too).
+
+The gather is one collective per piece (the piece is the bucket); its backward is one
+reduce-scatter of the piece's gradients, so gradients come back already sharded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.fx.traceback
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from fxmega.sharding.collectives import all_gather, reduce_scatter
+
+
+def backward_phase() -> Any:
+    """Mark the nodes traced in this block as the step's backward region. Without it the
+    backward of a custom autograd.Function (the gather below) is not tagged as backward, the
+    backward splits into disjoint regions, and the recompute pass refuses the graph."""
+    annotate = getattr(torch.fx.traceback, "annotate", None)
+    return annotate({"phase": "backward"}) if annotate is not None else contextlib.nullcontext()
+
+_ops = torch.ops
+# Produced by gathering and unpacking parameters; cheap to redo, expensive to keep.
+_RECOMPUTE = {
+    _ops._c10d_functional.all_gather_into_tensor.default,
+    _ops._c10d_functional.wait_tensor.default,
+    _ops.aten.cat.default,
+    _ops.aten.clone.default,
+    _ops.aten._to_copy.default,
+    _ops.aten.copy.default,
+    # reshape of a non-contiguous tensor is clone + _unsafe_view, and _unsafe_view is not
+    # flagged as a view: kept, it would keep the gathered parameter alive until the backward
+    _ops.aten._unsafe_view.default,
+}
+
+
+def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if func in _RECOMPUTE or getattr(func, "is_view", False):
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE
+
+
+def _context() -> Any:
+    # Module level on purpose: a context_fn defined inside the compiled function is not
+    # supported by dynamo.
+    return create_selective_checkpoint_contexts(_policy)
+
+
+class GatherShards(torch.autograd.Function):
+    """All-gather shards (each along its own dim) in one collective; backward reduce-scatters
+    the gradients the same way."""
+
+    @staticmethod
+    def forward(ctx: Any, dims: tuple[int, ...], world: int, group: Any, *shards: torch.Tensor) -> tuple:
+        ctx.dims, ctx.world, ctx.group = dims, world, group
+        return tuple(all_gather(list(shards), list(dims), world, group))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
+        # Traced apart from the rest of the backward, so it must carry the backward-phase
+        # annotation itself, or the backward splits into regions the recompute pass refuses.
+        with backward_phase():
+            shards = reduce_scatter(list(grads), list(ctx.dims), ctx.world, ctx.group)
+        return (None, None, None, *shards)
+
+
+def gathered_call(fn: Callable[..., Any], leaves: list[torch.Tensor], dims: list[int | None], world: int,
+                  group: Any, rebuild: Callable[[list[torch.Tensor]], Any], *args: Any, regather: bool = True) -> Any:
+    """``fn(rebuild(full_leaves), *args)`` with the sharded leaves (``dims[i]`` not None)
+    gathered inside a checkpoint that recomputes the gather in the backward. ``regather=False``
+    skips the checkpoint (the gathered parameters then stay alive until the backward; kept
+    for measuring what the recompute saves)."""
+    sharded = [i for i, d in enumerate(dims) if d is not None]
+
+    def run(*flat: Any) -> Any:
+        call_args, params = flat[:len(args)], list(flat[len(args):])
+        if sharded:
+            full = GatherShards.apply(tuple(dims[i] for i in sharded), world, group, *(params[i] for i in sharded))
+            for i, t in zip(sharded, full):
+                params[i] = t
+        return fn(rebuild(params), *call_args)
+
+    if not regather:
+        return run(*args, *leaves)
+    return checkpoint(run, *args, *leaves, use_reentrant=False, context_fn=_context)

@@ -1,0 +1,92 @@
+"""Run a function on several local gloo ranks, each in a fresh process, and collect what
+each returns. What makes this reliable on small CPU machines (see ../shared/DESIGN.md):
+a per-rank inductor cache, OMP_NUM_THREADS=1, a process-group timeout, and os._exit at the
+end of every worker (workers otherwise sometimes abort at exit)."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import pickle
+import queue as queue_module
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / ".cache" / "inductor-ranks"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, target: str, args: tuple, queue: Any, env: dict) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                       "TORCHINDUCTOR_CACHE_DIR": str(CACHE / f"world{world}-rank{rank}"), **env})
+    code = 1
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=180))
+        module, _, name = target.partition(":")
+        result = getattr(importlib.import_module(module), name)(*args)
+        # pickled here, not by the queue: torch's queue pickler shares tensor memory through
+        # file descriptors that die with this process
+        queue.put((rank, "ok", pickle.dumps(result)))
+        code = 0
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        queue.close()
+        queue.join_thread()  # os._exit would otherwise drop what the queue has not sent yet
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def run_ranks(world: int, target: str, *args: Any, timeout: float = 900, env: dict | None = None) -> list[Any]:
+    """``target`` ("module:function") called on ``world`` ranks; returns results by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, target, args, queue, env or {})) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world and not errors:
+            try:
+                rank, status, value = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
+                if dead and queue.empty():
+                    errors.append(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result")
+                elif time.monotonic() > deadline:
+                    errors.append(f"no result within {timeout:.0f} s (ranks done: {sorted(results)})")
+                continue
+            if status == "ok":
+                results[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("a rank failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world)]

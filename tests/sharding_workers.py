@@ -1,0 +1,158 @@
+"""Code that runs inside the ranks of the sharding tests (see multirank.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch._dynamo.utils import counters
+
+from fxmega import tree
+from fxmega.config import ParallelConfig, load, override
+from fxmega.sharding import distributed
+from fxmega.sharding.inspect import record_collectives
+from fxmega.sharding.mesh import MeshSpec
+from fxmega.train import Run
+from tests.multirank import ROOT
+
+# name -> parallel config; every one runs on 2 ranks
+STRATEGIES = {
+    "dp2": dict(mesh="dp=2"),
+    "zero1": dict(mesh="dp=2", rules="zero1"),
+    "zero2": dict(mesh="dp=2", rules="zero2"),
+    "zero3": dict(mesh="dp=2", rules="zero3"),
+    "fsdp2": dict(mesh="fsdp=2", rules="fsdp"),
+    "tp2": dict(mesh="tp=2"),
+    "tp2_sp": dict(mesh="tp=2", sequence_parallel=True),
+}
+BUCKET = 20_000  # elements: the tiny GPT's 120k parameters make several buckets
+
+
+def tiny_config(parallel: dict | None = None, compile: bool = True, model: str = "tiny_gpt", extra: tuple = ()):
+    """The tiny GPT with a vocabulary tp=2 does not divide (255, padded to 256 under tp)."""
+    cfg = override(load(ROOT / "configs" / f"{model}.py"),
+                   [f"train.compile={compile}", "train.global_batch_size=8", "train.micro_batch_size=4",
+                    "model.vocab_size=255", *extra])
+    if parallel is not None:
+        cfg = dataclasses.replace(cfg, parallel=ParallelConfig(bucket_size=BUCKET, **parallel))
+    return cfg
+
+
+def _train(cfg, steps: int, record: bool):
+    par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
+    run = Run(cfg, par, device)
+    torch._dynamo.reset()
+    counters.clear()
+    if record:
+        with record_collectives() as graphs:
+            losses = [run.do_step()["loss"] for _ in range(steps)]
+    else:
+        graphs, losses = [], [run.do_step()["loss"] for _ in range(steps)]
+    labels = par.group_labels()
+    collectives = [[(c.op, labels.get(c.group, c.group), c.shape, c.bytes_sent_per_rank) for c in g] for g in graphs]
+    return run, par, losses, collectives
+
+
+def strategies(names: list[str], steps: int) -> dict | None:
+    """Train each strategy for ``steps`` compiled steps; rank 0 returns losses, the full
+    parameters, the number of compiled graphs, the recorded collectives and bucket facts."""
+    out = {}
+    for name in names:
+        run, par, losses, collectives = _train(tiny_config(STRATEGIES[name]), steps, record=True)
+        full = {path: t.detach().clone() for path, t in tree.items(run.full_params())}
+        out[name] = {"losses": losses, "params": full, "graphs": counters["stats"]["unique_graphs"],
+                     "collectives": collectives, "n_params": len(par.layouts),
+                     "local_numels": [lay.local_numel("grad") for lay in par.layouts],
+                     "zero_dims": [lay.zero_dim for lay in par.layouts]}
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+def four_ranks(steps: int) -> dict | None:
+    """dp2 x tp2 with sequence parallelism and ZeRO-1, on the tiny Llama (GQA, RoPE)."""
+    cfg = tiny_config(dict(mesh="dp=2,tp=2", rules="zero1", sequence_parallel=True), model="tiny_llama")
+    run, _, losses, collectives = _train(cfg, steps, record=True)
+    full = {path: t.detach().clone() for path, t in tree.items(run.full_params())}
+    result = {"losses": losses, "params": full, "graphs": counters["stats"]["unique_graphs"],
+              "collectives": collectives}
+    return result if torch.distributed.get_rank() == 0 else None
+
+
+def sharded_init() -> list:
+    """Each rank's local shards, with its coordinates, for tp=2 and for zero3 on dp=2."""
+    out = []
+    for parallel in (dict(mesh="tp=2"), dict(mesh="dp=2", rules="zero3")):
+        cfg = tiny_config(parallel, compile=False)
+        par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
+        params = par.init_params(cfg.train.seed, device)
+        layouts = {lay.path: (lay.tp_dim, lay.zero_dim, lay.data_axes["param"]) for lay in par.layouts}
+        out.append({"coords": par.coords, "local": {p: t.detach().clone() for p, t in tree.items(params)},
+                    "layouts": layouts, "roundtrip": {p: t.clone() for p, t in
+                                                      zip(tree.paths(params), par.full_tensors(tree.leaves(params)))}})
+    return out
+
+
+def vocab_parallel_cross_entropy(vocab: int) -> dict:
+    """Cross-entropy of logits split over tp (vocab padded to a multiple of 2): the loss and
+    this rank's slice of d(loss)/d(logits)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fxmega import layers
+    from fxmega.sharding import layout
+    from fxmega.sharding.plan import make_plan
+    from fxmega.sharding.rules import preset
+    from fxmega.sharding.runtime import Parallel
+    from fxmega.models import gpt
+
+    torch.manual_seed(0)
+    padded = vocab + vocab % 2
+    logits = torch.randn(3, 5, padded, dtype=torch.float64).float()
+    targets = torch.randint(0, vocab, (3, 5))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    specs = gpt.param_specs(gpt.Config(vocab_size=vocab, max_seq_len=8, d_model=8, n_layers=1, n_heads=2))
+    par = Parallel(make_plan(specs, MeshSpec.of(tp=2), preset("megatron")), mesh, torch.distributed.get_rank(), specs)
+    rank = torch.distributed.get_rank()
+    local = logits.chunk(2, dim=-1)[rank].clone().requires_grad_()
+    dt = DTensor.from_local(local, mesh, [Shard(2)], run_check=False)
+    tgt = DTensor.from_local(targets, mesh, [torch.distributed.tensor.Replicate()], run_check=False)
+    with layout.activate(par):
+        loss = layers.cross_entropy_sum(dt, tgt, vocab_size=vocab)
+    loss = loss.full_tensor()
+    loss.backward()
+    return {"logits": logits, "targets": targets, "loss": loss.detach(), "grad": local.grad, "rank": rank}
+
+
+def peak_memory(zero: int, regather: bool = True, d_model: int = 768, n_layers: int = 4, steps: int = 3) -> dict | None:
+    """Memory of a compiled step (after warm-up) for a GPT whose parameters dominate memory,
+    under ZeRO-``zero`` on dp=2: the state every rank keeps between steps (parameters and
+    optimizer moments; exact, from the tensors) and what the step adds on top at its peak
+    (measured: resident-set high-water mark minus resident set before the step). One
+    variant per process: freed memory kept by the allocator would hide the next one's."""
+    cfg = override(load(ROOT / "configs" / "tiny_gpt.py"),
+                   ["train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=16",
+                    f"model.d_model={d_model}", "model.n_heads=8", f"model.n_layers={n_layers}", "model.max_seq_len=16"])
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(mesh="dp=2", zero=zero, zero3_regather=regather))
+    par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
+    run = Run(cfg, par, device)
+    for _ in range(steps - 1):
+        run.do_step()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak (VmHWM) to the current resident size
+    before = _status("VmRSS")
+    run.do_step()
+    step = _status("VmHWM") - before
+    state = tree.leaves(run.params) + run.opt_state["exp_avg"] + run.opt_state["exp_avg_sq"]
+    out = {"state": sum(t.numel() * t.element_size() for t in state), "step": step,
+           "params": sum(t.numel() * t.element_size() for t in tree.leaves(run.params))}
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+def _status(field: str) -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+# glibc returns freed blocks above 64 KiB to the system at once, so RSS follows live tensors
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
