@@ -201,7 +201,8 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
         f"device {run.device} x {world}; MFU against {peak.flops / 1e12:.3f} TFLOP/s per device ({peak.source})")
     dp = 1 if parallel is None else parallel.data_size
     say(f"batch: {t.global_batch_size} x {t.seq_len} tokens = micro batch {t.micro_batch_size} x "
-        f"{cfg.grad_accum_steps(dp)} accumulation steps x {dp} data-parallel ranks; {t.steps} steps; compile={t.compile}")
+        f"{cfg.grad_accum_steps(dp)} accumulation steps x {dp} data-parallel ranks; {t.steps} steps; "
+        f"compile={t.compile}")
     log = RunLog(t.log_jsonl, t.tensorboard_dir) if main else RunLog()
     result = RunResult(run=run)
     meter = Throughput(flops, peak, world)

@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 
 from fxmega import tree
 from fxmega.config import ParallelConfig, load, override
+from fxmega.memory import current_bytes, peak_bytes, reset_peak
 from fxmega.sharding import distributed
 from fxmega.sharding.inspect import record_collectives
 from fxmega.sharding.mesh import MeshSpec
@@ -31,7 +32,7 @@ BUCKET = 20_000  # elements: the tiny GPT's 120k parameters make several buckets
 def tiny_config(parallel: dict | None = None, compile: bool = True, model: str = "tiny_gpt", extra: tuple = ()):
     """The tiny GPT with a vocabulary tp=2 does not divide (255, padded to 256 under tp)."""
     cfg = override(load(ROOT / "configs" / f"{model}.py"),
-                   [f"train.compile={compile}", "train.global_batch_size=8", "train.micro_batch_size=4",
+                   [f"train.compile={compile}", "train.global_batch_size=8", "train.micro_batch_size=4", "train.device=cpu",
                     "model.vocab_size=255", *extra])
     if parallel is not None:
         cfg = dataclasses.replace(cfg, parallel=ParallelConfig(bucket_size=BUCKET, **parallel))
@@ -98,11 +99,11 @@ def vocab_parallel_cross_entropy(vocab: int) -> dict:
     from torch.distributed.tensor import DTensor, Shard
 
     from fxmega import layers
+    from fxmega.models import gpt
     from fxmega.sharding import layout
     from fxmega.sharding.plan import make_plan
     from fxmega.sharding.rules import preset
     from fxmega.sharding.runtime import Parallel
-    from fxmega.models import gpt
 
     torch.manual_seed(0)
     padded = vocab + vocab % 2
@@ -130,29 +131,40 @@ def peak_memory(zero: int, regather: bool = True, d_model: int = 768, n_layers: 
     variant per process: freed memory kept by the allocator would hide the next one's."""
     cfg = override(load(ROOT / "configs" / "tiny_gpt.py"),
                    ["train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=16",
-                    f"model.d_model={d_model}", "model.n_heads=8", f"model.n_layers={n_layers}", "model.max_seq_len=16"])
+                    f"model.d_model={d_model}", "model.n_heads=8", f"model.n_layers={n_layers}",
+                    "model.max_seq_len=16"])
     cfg = dataclasses.replace(cfg, parallel=ParallelConfig(mesh="dp=2", zero=zero, zero3_regather=regather))
     par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
     run = Run(cfg, par, device)
     for _ in range(steps - 1):
         run.do_step()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak (VmHWM) to the current resident size
-    before = _status("VmRSS")
+    reset_peak(device)
+    before = current_bytes(device)
     run.do_step()
-    step = _status("VmHWM") - before
+    step = peak_bytes(device) - before
     state = tree.leaves(run.params) + run.opt_state["exp_avg"] + run.opt_state["exp_avg_sq"]
     out = {"state": sum(t.numel() * t.element_size() for t in state), "step": step,
            "params": sum(t.numel() * t.element_size() for t in tree.leaves(run.params))}
     return out if torch.distributed.get_rank() == 0 else None
 
 
-def _status(field: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 # glibc returns freed blocks above 64 KiB to the system at once, so RSS follows live tensors
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
+
+
+def resume(root: str, steps: int) -> dict | None:
+    """Train 2*steps straight, and steps + save + a fresh Run that resumes + steps, eagerly,
+    with ZeRO-1 on dp=2 (sharded optimizer state in the checkpoint)."""
+    cfg = tiny_config(dict(mesh="dp=2", rules="zero1"), compile=False)
+    mesh = MeshSpec.parse(cfg.parallel.mesh)
+    par, device = distributed.setup(cfg, mesh)
+    straight = Run(cfg, par, device)
+    expected = [straight.do_step()["loss"] for _ in range(2 * steps)]
+    first = Run(cfg, par, device)
+    got = [first.do_step()["loss"] for _ in range(steps)]
+    first.save(root)
+    second = Run(cfg, par, device)
+    assert second.resume(root) and second.step == steps
+    got += [second.do_step()["loss"] for _ in range(steps)]
+    same = all(torch.equal(a, b) for a, b in zip(tree.leaves(second.params), tree.leaves(straight.params)))
+    return {"expected": expected, "got": got, "params_equal": same} if torch.distributed.get_rank() == 0 else None

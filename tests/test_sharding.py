@@ -47,11 +47,21 @@ def test_strategy_matches_single_device(results, reference, name):
     padded = r["params"]["embed.tokens"]
     if name.startswith("tp"):
         assert padded.shape[0] == 256 and torch.all(padded[255] == 0)  # padding row never learns
-    assert r["graphs"] == 1, f"{name} compiled {r['graphs']} graphs in {STEPS} steps"
+    # tp alone has one data rank, so the global batch of 8 is two micro batches of 4:
+    # an accumulate graph and an update graph, each compiled once
+    expected = 2 if name.startswith("tp") else 1
+    assert r["graphs"] == expected, f"{name} compiled {r['graphs']} graphs in {STEPS} steps"
 
 
-def _ops(r, axes: str) -> Counter:
-    return Counter(op for op, group, _, _ in r["collectives"][0] if group == axes)
+def _ops(r, axes: str, scalars: bool = False) -> Counter:
+    """Collectives on one group; the two per-step scalars (the loss over the data axis, the
+    gradient norm over all ranks) are left out unless asked for."""
+    return Counter(op for op, group, shape, _ in r["collectives"][-1]
+                   if group == axes and (scalars or shape != ()))
+
+
+def _scalars(r) -> int:
+    return sum(1 for op, _, shape, _ in r["collectives"][-1] if op == "all_reduce" and shape == ())
 
 
 def _n_buckets(r, which) -> int:
@@ -63,9 +73,8 @@ def test_data_parallel_reduces_gradients_per_bucket_not_per_parameter(results):
     r = results["dp2"]
     n_buckets = _n_buckets(r, [True] * r["n_params"])
     assert 1 < n_buckets < r["n_params"] // 2
-    # one all-reduce per gradient bucket, plus the loss; the grad norm sums over the world
-    assert _ops(r, "dp") == Counter({"all_reduce": n_buckets + 1})
-    assert _ops(r, "world") == Counter({"all_reduce": 1})
+    assert _ops(r, "dp") == Counter({"all_reduce": n_buckets})  # one per bucket, not per parameter
+    assert _scalars(r) == 2
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2"])
@@ -75,7 +84,8 @@ def test_zero12_reduce_scatter_gradients_and_all_gather_parameters(results, name
     replicated = [not s for s in sharded]
     assert _ops(r, "dp") == Counter({"reduce_scatter_tensor": _n_buckets(r, sharded),
                                      "all_gather_into_tensor": _n_buckets(r, sharded),
-                                     "all_reduce": _n_buckets(r, replicated) + 1})
+                                     "all_reduce": _n_buckets(r, replicated)})
+    assert _scalars(r) == 2
 
 
 @pytest.mark.parametrize("name,axis", [("zero3", "dp"), ("fsdp2", "fsdp")])
@@ -86,7 +96,7 @@ def test_zero3_gathers_each_piece_forward_and_backward(results, name, axis):
     # forward, and again in the backward (except the head, whose backward comes right after)
     assert ops["all_gather_into_tensor"] == 2 * pieces - 1
     assert ops["reduce_scatter_tensor"] == pieces  # the gathers' backward
-    assert _ops(r, "world") == Counter({"all_reduce": 1})
+    assert _scalars(r) == 2
 
 
 def test_plain_tensor_parallel_never_gathers(results):
@@ -98,10 +108,11 @@ def test_sequence_parallel_gathers_only_activations(results):
     r = results["tp2_sp"]
     ops = _ops(r, "tp")
     assert ops["all_gather_into_tensor"] > 0 and ops["reduce_scatter_tensor"] > 0
-    gathered = [shape for op, group, shape, _ in r["collectives"][0]
-                if group == "tp" and op == "all_gather_into_tensor"]
-    # activations [micro batch, seq/tp, embed]; never a weight
-    assert all(len(s) == 3 and s[0] == 4 and s[1] == 16 for s in gathered), gathered
+    gathered = {shape for op, group, shape, _ in r["collectives"][-1]
+                if group == "tp" and op == "all_gather_into_tensor"}
+    # activations [micro batch, seq/tp, embed], and the position table's gradient
+    # [seq/tp, embed] (it meets the residual stream split along seq); never a weight
+    assert gathered == {(4, 16, 64), (16, 64)}, gathered
 
 
 def test_dp2_tp2_four_ranks_match_single_device(reference):
@@ -166,3 +177,8 @@ def test_zero3_peak_memory_is_below_zero2():
     # whose step also holds every full gradient before reducing it
     assert total["zero3"] < total["zero2"] - r["zero2"]["params"] / 2
     assert r["zero3"]["step"] < r["zero2"]["step"]
+
+
+def test_sharded_checkpoint_resumes_bit_identically(tmp_path):
+    r = run_ranks(2, "tests.sharding_workers:resume", str(tmp_path / "ckpt"), 3)[0]
+    assert r["got"] == r["expected"] and r["params_equal"]

@@ -4,8 +4,8 @@ is common to all language models: the loss over a batch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
-from typing import Callable
 
 import torch
 

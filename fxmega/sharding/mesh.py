@@ -109,15 +109,16 @@ def parse_mesh(text: str, order: tuple[str, ...] = DEFAULT_ORDER) -> MeshSpec:
         parts = re.split(r"[x*]", text)
         if len(parts) > len(order):
             raise ConfigError(
-                f"--mesh {text} gives {len(parts)} sizes but the axis order {'x'.join(order)} names only "
-                f"{len(order)}: name the axes instead, e.g. --mesh {','.join(f'{a}=N' for a in PHYSICAL_ORDER[:len(parts)])}"
+                f"--mesh {text} gives {len(parts)} sizes but the axis order {' x '.join(order)} names only "
+                f"{len(order)}: name the axes instead, e.g. --mesh dp=2,fsdp=2,tp=2,pp=2"
             )
         for name, value in zip(order, parts):
             sizes[name] = _size(value, name, text)
     for axis in RESERVED_AXES:
         if sizes.get(axis, 1) > 1:
-            raise ConfigError(f"--mesh {text}: axis {axis} is reserved for "
-                              f"{'context' if axis == 'cp' else 'expert'} parallelism, which fxmega does not implement yet")
+            kind = "context" if axis == "cp" else "expert"
+            raise ConfigError(f"--mesh {text}: axis {axis} is reserved for {kind} parallelism, "
+                              f"which fxmega does not implement yet")
     return MeshSpec.of(**sizes)
 
 

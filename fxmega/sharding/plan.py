@@ -95,14 +95,16 @@ class ShardingPlan:
 
     def activation_tp_dims(self, axes: tuple[str | None, ...]) -> int | None:
         """The dim of an activation split over tp, or None (replicated over tp)."""
-        dims = [i for i, name in enumerate(axes) if name is not None and "tp" in mesh_axes_of(self.strategy.rules.get(name))]
+        rules = self.strategy.rules
+        dims = [i for i, name in enumerate(axes) if name is not None and "tp" in mesh_axes_of(rules.get(name))]
         if len(dims) > 1:
             raise ConfigError(f"activation axes {axes} put the tp axis on dims {dims}: a mesh axis can split only one "
                               f"dim of a tensor; map one of {[axes[d] for d in dims]} to None in the rules")
         return dims[0] if dims and self.tp > 1 else None
 
     def bytes_per_rank(self) -> dict[str, int]:
-        return {kind: sum(p.local_numel(kind) for p in self.params.values()) * BYTES_PER_ELEMENT * (2 if kind == "opt" else 1)
+        copies = {"param": 1, "grad": 1, "opt": 2}  # AdamW keeps two moments
+        return {kind: sum(p.local_numel(kind) for p in self.params.values()) * BYTES_PER_ELEMENT * copies[kind]
                 for kind in KINDS}
 
     def explain(self) -> str:
@@ -165,7 +167,8 @@ def _layout(path: str, spec: ParamSpec, rules: dict, zero: int, mesh: MeshSpec, 
                                   f"tp, dp and fsdp")
     if tp_dim is not None and tp_dim == zero_dim:
         raise ConfigError(f"parameter {path} {spec.axes}: dim {tp_dim} ({spec.axes[tp_dim]}) is split over both tp and "
-                          f"data axes; split different dims (the presets split embed over data and heads/mlp/vocab over tp)")
+                          f"data axes; split different dims (the presets split embed over data axes and "
+                          f"heads/mlp/vocab over tp)")
     if zero_dim is None and zero > 0 and "embed" in spec.axes and mesh.size("dp") > 1:
         zero_dim = spec.axes.index("embed")
         if zero_dim == tp_dim:
@@ -178,9 +181,9 @@ def _layout(path: str, spec: ParamSpec, rules: dict, zero: int, mesh: MeshSpec, 
         "opt": ordered(rule_data_axes + (dp if zero >= 1 else ())),
     }
     if data_axes["param"] and data_axes["opt"] != data_axes["param"]:
-        raise ConfigError(f"zero {zero} shards optimizer state over dp, but the rules already shard {path} over "
-                          f"{'x'.join(data_axes['param'])}: use zero 3 (parameters sharded over dp too) or zero 0 (HSDP: "
-                          f"replicated over dp)")
+        raise ConfigError(f"zero {zero} shards optimizer state over dp, but the rules already shard {path} "
+                          f"over {'x'.join(data_axes['param'])}: use zero 3 (parameters sharded over dp too) or "
+                          f"zero 0 (HSDP: replicated over dp)")
     if tp_dim is not None and shape[tp_dim] % tp:
         n = shape[tp_dim]
         raise ConfigError(f"parameter {path}: dim {tp_dim} ({spec.axes[tp_dim]}) has size {n}, which tp={tp} does not "
@@ -189,9 +192,9 @@ def _layout(path: str, spec: ParamSpec, rules: dict, zero: int, mesh: MeshSpec, 
     if zero_dim is not None:
         split = math.prod(data_sizes[a] for a in data_axes["opt"])
         if shape[zero_dim] % split:
-            raise ConfigError(f"parameter {path}: dim {zero_dim} ({spec.axes[zero_dim]}) has size {shape[zero_dim]}, which "
-                              f"the data axes {'x'.join(data_axes['opt'])} (size {split}) do not divide; choose data-parallel "
-                              f"sizes that divide {shape[zero_dim]}")
+            raise ConfigError(f"parameter {path}: dim {zero_dim} ({spec.axes[zero_dim]}) has size {shape[zero_dim]}, "
+                              f"which the data axes {'x'.join(data_axes['opt'])} (size {split}) do not divide; "
+                              f"choose data-parallel sizes that divide {shape[zero_dim]}")
     return ParamLayout(path, shape, spec.axes, tp_dim, zero_dim, data_axes, tp, data_sizes)
 
 

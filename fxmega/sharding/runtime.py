@@ -18,7 +18,8 @@ Leaf order everywhere is the spec tree's leaf order; ``layouts[i]`` describes le
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -189,8 +190,9 @@ class Parallel:
 
         def loss_sum(flat: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
             params = tree.unflatten_like(self.layout_tree, flat)
-            if self.tp_mesh is not None:
-                batch = {k: DTensor.from_local(v, self.tp_mesh, [Replicate()], run_check=False) for k, v in batch.items()}
+            if self.tp_mesh is not None:  # every tp rank reads the same tokens
+                batch = {k: DTensor.from_local(v, self.tp_mesh, [Replicate()], run_check=False)
+                         for k, v in batch.items()}
             with layout.activate(self if self.tp_mesh is not None else None):
                 loss = lm_loss_sum(params, batch, cfg, call=self._call, layouts=self.layout_tree)
             if isinstance(loss, DTensor):  # may still be a partial sum over tp: reduce it
@@ -208,7 +210,8 @@ class Parallel:
             numels = [self.layouts[i].local_numel("grad") for i in idx]
             for bucket in collectives.buckets(numels, self.bucket_numel):
                 members = [idx[b] for b in bucket]
-                out.append((op, self.group(axes), self.size(axes), members, [self.layouts[i].zero_dim for i in members]))
+                dims = [self.layouts[i].zero_dim for i in members]
+                out.append((op, self.group(axes), self.size(axes), members, dims))
         return out
 
     @staticmethod
@@ -254,7 +257,7 @@ class Parallel:
     def refresh_params(self, flat: list[torch.Tensor], views: list[torch.Tensor]) -> None:
         """After a ZeRO-1/2 update: all-gather the updated shards back into every replica."""
         full = self._run(self._refresh_schedule, views)
-        for op, _, _, members, _ in self._refresh_schedule:
+        for _, _, _, members, _ in self._refresh_schedule:
             for i in members:
                 flat[i].copy_(full[i])
 

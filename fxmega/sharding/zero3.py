@@ -17,7 +17,8 @@ reduce-scatter of the piece's gradients, so gradients come back already sharded.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx.traceback

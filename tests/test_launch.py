@@ -1,0 +1,52 @@
+"""`python run.py --mesh 2x2` starts 4 local processes through torch.distributed's launcher
+and trains with the losses of `--mesh 1`; errors stay one readable line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fxmega.cli import main
+from tests.conftest import ROOT
+
+ARGS = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--mock-data", "--no-progress", "--steps", "4",
+        "--micro-batch-size", "4", "--log-interval", "2"]
+
+
+def _losses(path):
+    return [json.loads(line)["loss"] for line in open(path)]
+
+
+def test_mesh_2x2_through_the_launcher_matches_one_device(tmp_path):
+    single = tmp_path / "single.jsonl"
+    assert main([*ARGS, "--no-compile", "--log-jsonl", str(single)]) == 0
+    sharded = tmp_path / "sharded.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *ARGS, "--no-compile", "--mesh", "2x2",
+                           "--sequence-parallel", "--rules", "zero1", "--log-jsonl", str(sharded)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "starting 4 local processes" in out and "mesh: dp=2 x tp=2 (4 ranks)" in out
+    assert all(f"rank {r}: dp={r // 2}, tp={r % 2}" in out for r in range(4))
+    assert len(_losses(sharded)) == 4  # one rank writes the log
+    assert _losses(sharded) == pytest.approx(_losses(single), rel=1e-5)
+
+
+def test_mesh_that_does_not_fit_the_world_is_one_clear_line(tmp_path):
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": "29533"}
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *ARGS, "--no-compile", "--mesh", "2x2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "mesh dp=2 x tp=2 (4 ranks) needs 4 processes but the world size is 1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_explain_prints_the_plan_for_a_big_mesh(capsys):
+    assert main(["--config", str(ROOT / "configs" / "llama2_7b.py"), "--mesh", "dp=8,tp=4", "--rules", "zero1",
+                 "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh: dp=8 x tp=4 (32 ranks)" in out and "blocks.31.mlp.w_down" in out

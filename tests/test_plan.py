@@ -1,0 +1,131 @@
+"""Meshes, rules and plans: pure data, no process group. Every rejected input is a
+ConfigError naming what is wrong and the fix."""
+
+import pytest
+
+from fxmega.config import ParallelConfig
+from fxmega.errors import ConfigError
+from fxmega.models import gpt, llama
+from fxmega.sharding.mesh import MeshSpec, check_world_size, parse_mesh
+from fxmega.sharding.plan import make_plan
+from fxmega.sharding.rules import MEGATRON, Strategy, preset
+from fxmega.sharding.strategy import strategy_from
+
+
+def tiny(**kw):
+    return gpt.param_specs(gpt.Config(**{"vocab_size": 256, "max_seq_len": 64, "d_model": 64, "n_layers": 1,
+                                         "n_heads": 4, **kw}))
+
+
+def test_mesh_sizes_in_order_and_by_name():
+    assert parse_mesh("8x4x2") == MeshSpec.of(dp=8, tp=4, pp=2)
+    assert parse_mesh("dp=2,tp=2") == parse_mesh("2x2") == parse_mesh("tp=2,dp=2")
+    assert parse_mesh("1").world_size == 1
+    assert parse_mesh("fsdp=4,dp=2").names == ("dp", "fsdp")  # physical order, not written order
+
+
+def test_tp_varies_fastest_then_dp_then_pp():
+    mesh = parse_mesh("pp=2,tp=2,dp=2")
+    assert [(c["pp"], c["dp"], c["tp"]) for c in map(mesh.coords, range(8))] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
+    hsdp = parse_mesh("dp=2,fsdp=2")
+    assert [hsdp.data_rank(r) for r in range(4)] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("text,message", [
+    ("0x2", "axis dp has size 0"),
+    ("2x-1", "size -1 of axis tp is not a whole number|axis tp has size -1"),
+    ("dp=2,foo=2", "unknown axis 'foo'"),
+    ("dp=2,dp=2", "given twice"),
+    ("2x2x2x2", "gives 4 sizes but the axis order dp x tp x pp names only 3"),
+    ("cp=2", "reserved for context parallelism"),
+    ("twox2", "is not a whole number"),
+])
+def test_bad_meshes(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_mesh(text)
+
+
+def test_world_size_mismatch_names_both_numbers_and_a_command():
+    with pytest.raises(ConfigError, match=r"needs 4 processes but the world size is 2.*--nproc-per-node=4"):
+        check_world_size(parse_mesh("2x2"), 2)
+
+
+def test_megatron_placements():
+    plan = make_plan(tiny(), parse_mesh("dp=2,tp=2"), preset("megatron"))
+    p = plan.params
+    assert p["blocks.0.attn.wqkv"].tp_dim == 2  # heads: column parallel
+    assert p["blocks.0.attn.wo"].tp_dim == 0  # heads on the input side: row parallel
+    assert p["blocks.0.mlp.w_in"].tp_dim == 1 and p["blocks.0.mlp.w_out"].tp_dim == 0
+    assert p["embed.tokens"].tp_dim == 0  # vocab parallel
+    assert p["blocks.0.attn_norm.scale"].tp_dim is None
+    assert p["blocks.0.mlp.w_in"].placement_names("param", plan.mesh) == ["R", "S(1)"]
+    assert p["blocks.0.mlp.w_in"].local_shape() == (64, 128)
+
+
+def test_zero_stages_shard_more_state_over_dp():
+    specs = tiny()
+    mesh = parse_mesh("dp=2")
+    by_stage = [make_plan(specs, mesh, Strategy(MEGATRON, z)).bytes_per_rank() for z in range(4)]
+    full = by_stage[0]
+    assert by_stage[1]["opt"] < full["opt"] and by_stage[1]["grad"] == full["grad"]
+    assert by_stage[2]["grad"] < full["grad"] and by_stage[2]["param"] == full["param"]
+    assert by_stage[3]["param"] < full["param"]
+    lay = make_plan(specs, mesh, preset("zero3")).params["blocks.0.mlp.w_out"]
+    assert lay.zero_dim == 1 and lay.data_axes["param"] == ("dp",)  # the embed dim of [mlp, embed]
+
+
+def test_fsdp_with_tp_splits_different_dims():
+    plan = make_plan(llama.param_specs(llama.Config(n_layers=1, n_kv_heads=8)), parse_mesh("fsdp=8,tp=4"),
+                     preset("fsdp"))
+    wq = plan.params["blocks.0.attn.wq"]
+    assert (wq.zero_dim, wq.tp_dim, wq.local_shape()) == (0, 1, (512, 8, 128))
+
+
+def test_vocab_padded_for_tp():
+    plan = make_plan(tiny(vocab_size=255), parse_mesh("tp=2"), preset("megatron"))
+    assert plan.params["embed.tokens"].shape == (256, 64)
+    assert any("padded to 256" in n for n in plan.notes)
+    unsplit = make_plan(tiny(vocab_size=255), parse_mesh("dp=2"), preset("megatron"))
+    assert unsplit.params["embed.tokens"].shape == (255, 64)
+
+
+@pytest.mark.parametrize("specs,mesh,strategy,message", [
+    (tiny(), "tp=3", preset("megatron"), r"blocks.0.attn.wqkv: dim 2 \(heads\) has size 4, which tp=3 does not divide"),
+    (tiny(), "tp=2", Strategy({"heads": "tp", "head_dim": "tp"}, 0),
+     r"the tp axis would split both dim 2 \(heads\) and dim 3 \(head_dim\)"),
+    (tiny(), "tp=2", Strategy({"headz": "tp"}, 0), "rules name the logical axis 'headz'"),
+    (tiny(), "tp=2", Strategy({"heads": "tpp"}, 0), "names the mesh axis 'tpp', which does not exist"),
+    (tiny(), "fsdp=3", preset("fsdp"),
+     r"embed.tokens: dim 1 \(embed\) has size 64, which the data axes fsdp \(size 3\) do not divide"),
+    (tiny(), "dp=2,fsdp=2", Strategy({"embed": "fsdp"}, 1), "zero 1 shards optimizer state over dp, but the rules"),
+    (tiny(), "pp=2", preset("megatron"), "pipeline parallelism is not implemented yet"),
+    (tiny(), "tp=2", Strategy({"embed": ("tp", "fsdp")}, 0), None),
+])
+def test_plan_validation(specs, mesh, strategy, message):
+    if message is None:  # embed over tp is allowed (a different layout), just not useful
+        make_plan(specs, parse_mesh(mesh), strategy)
+        return
+    with pytest.raises(ConfigError, match=message):
+        make_plan(specs, parse_mesh(mesh), strategy)
+
+
+def test_strategy_from_config():
+    s = strategy_from(ParallelConfig(rules="zero2", sequence_parallel=True))
+    assert s.zero == 2 and s.rules["seq"] == "tp"
+    assert strategy_from(ParallelConfig(rules="megatron", zero=3)).zero == 3
+    with pytest.raises(ConfigError, match="unknown sharding preset 'megatronn'"):
+        strategy_from(ParallelConfig(rules="megatronn"))
+    # rules written by hand in a config file: 2-D FSDP x TP
+    mine = strategy_from(ParallelConfig(rules={"batch": ("dp", "fsdp"), "embed": "fsdp", "mlp": "tp", "heads": "tp"}))
+    plan = make_plan(tiny(), parse_mesh("fsdp=2,tp=2"), mine)
+    w_in = plan.params["blocks.0.mlp.w_in"]
+    assert w_in.placement_names("param", plan.mesh) == ["S(0)", "S(1)"] and w_in.local_shape() == (32, 128)
+    assert plan.params["embed.tokens"].tp_dim is None  # vocab not in these rules: replicated over tp
+
+
+def test_explain_table():
+    text = make_plan(tiny(), parse_mesh("dp=2,tp=2"), preset("zero1")).explain()
+    assert "mesh: dp=2 x tp=2 (4 ranks)" in text
+    assert "blocks.0.mlp.w_in" in text and "R S(1) | opt S(0) S(1)" in text
+    assert "per rank: parameters" in text
