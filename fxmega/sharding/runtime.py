@@ -36,6 +36,9 @@ from fxmega.sharding.zero3 import gathered_call
 
 
 class Parallel:
+    """This rank's part of a sharded run: built once per process from the plan and the
+    DeviceMesh, used by ``fxmega.train.Run`` (init, checkpoints) and by the compiled step."""
+
     def __init__(self, plan: ShardingPlan, device_mesh: Any, rank: int, specs: tree.Tree,
                  bucket_numel: int = 0, regather: bool = True) -> None:
         self.plan = plan
