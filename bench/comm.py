@@ -34,15 +34,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-STRATEGIES = {
-    "DP (dp=2)": dict(mesh="dp=2"),
-    "ZeRO-1 (dp=2)": dict(mesh="dp=2", rules="zero1"),
-    "ZeRO-2 (dp=2)": dict(mesh="dp=2", rules="zero2"),
-    "ZeRO-3 (dp=2)": dict(mesh="dp=2", rules="zero3"),
-    "FSDP (fsdp=2)": dict(mesh="fsdp=2", rules="fsdp"),
-    "TP (tp=2)": dict(mesh="tp=2"),
-    "TP + SP (tp=2)": dict(mesh="tp=2", sequence_parallel=True),
-}
+# the strategies of tests/sharding_workers.py, with the names this table prints
+LABELS = {"dp2": "DP (dp=2)", "zero1": "ZeRO-1 (dp=2)", "zero2": "ZeRO-2 (dp=2)", "zero3": "ZeRO-3 (dp=2)",
+          "fsdp2": "FSDP (fsdp=2)", "tp2": "TP (tp=2)", "tp2_sp": "TP + SP (tp=2)"}
 MODEL = ["model.vocab_size=256", "model.d_model=256", "model.n_heads=8", "model.n_layers=2", "model.max_seq_len=64",
          "train.seq_len=64", "train.micro_batch_size=4", "train.global_batch_size=8", "train.compile=true"]
 
@@ -78,9 +72,11 @@ def worker() -> None:
     from fxmega.sharding.inspect import record_collectives
     from fxmega.sharding.mesh import MeshSpec
     from fxmega.train import Run
+    from tests.sharding_workers import STRATEGIES
 
     rows = []
-    for name, parallel in STRATEGIES.items():
+    for key, parallel in STRATEGIES.items():
+        name = LABELS[key]
         cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), MODEL)
         cfg = dataclasses.replace(cfg, parallel=ParallelConfig(**parallel))
         par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
