@@ -42,7 +42,9 @@ FLAG_KEYS = {
     "--adam-beta1": "optim.beta1",
     "--adam-beta2": "optim.beta2",
     "--adam-eps": "optim.eps",
-    "--data-path": "data.source",
+    "--split": "data.split",
+    "--tokenizer": "data.tokenizer",
+    "--data-cache-path": "data.cache_dir",
     "--mesh": "parallel.mesh",
     "--rules": "parallel.rules",
     "--zero": "parallel.zero",
@@ -66,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="split the residual stream along the sequence over tp (Megatron's sequence parallelism)")
     parser.add_argument("--explain", action="store_true",
                         help="print the sharding plan for --mesh (any size, no processes started) and exit")
+    parser.add_argument("--data-path", nargs="+", metavar="[WEIGHT] PREFIX",
+                        help="sets data.source: a text file, an indexed-dataset prefix, or a blend 0.7 A 0.3 B")
     for flag, key in FLAG_KEYS.items():
         parser.add_argument(flag, dest=f"flag:{flag}", metavar=key.split(".")[1].upper(), help=f"sets {key}")
     return parser
@@ -75,6 +79,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     cfg = load(args.config)
     assignments = [f"{key}={value}" for flag, key in FLAG_KEYS.items()
                    if (value := getattr(args, f"flag:{flag}")) is not None]
+    if args.data_path:
+        assignments.append(f"data.source={' '.join(args.data_path)}")
     if args.mock_data:
         assignments.append("data.source=mock")
     if args.no_compile:

@@ -65,10 +65,14 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "shakespeare"  # shakespeare | mock | path to a UTF-8 text file
-    data_dir: str = "data"  # where fetched corpora are cached
-    tokenizer: str = "byte"
-    valid_fraction: float = 0.05  # tail of the corpus held out for validation
+    # shakespeare | mock | a UTF-8 text file | an indexed-dataset prefix (PREFIX.bin/.idx) |
+    # a blend of prefixes "0.7 A 0.3 B" (Megatron: --data-path)
+    source: str = "shakespeare"
+    data_dir: str = "data"  # where fetched corpora and vocabulary files are cached
+    tokenizer: str = "byte"  # byte | gpt2 | gpt2-bpe:V,M | tiktoken:[NAME=]F | hf:F | sentencepiece:F
+    valid_fraction: float = 0.05  # text sources: tail of the corpus held out for validation
+    split: str = "949,50,1"  # indexed sources: train,valid,test weights over documents (Megatron: --split)
+    cache_dir: str = ""  # sample-index cache; empty: DATA_DIR/index-cache (Megatron: --data-cache-path)
 
 
 @dataclass(frozen=True)
@@ -232,7 +236,9 @@ def _validate(cfg: RunConfig, dp: int) -> None:
     _require(o.eps > 0, f"optim.eps={o.eps} must be positive")
     _require(o.weight_decay >= 0 and o.clip_grad >= 0, "optim.weight_decay and optim.clip_grad must not be negative")
     _require(0 < d.valid_fraction < 1, f"data.valid_fraction={d.valid_fraction} must be between 0 and 1")
-    _require(d.tokenizer == "byte", f"data.tokenizer={d.tokenizer!r}: only 'byte' is available so far")
+    from fxmega.data.gpt_dataset import parse_split
+
+    parse_split(d.split)  # raises ConfigError naming the value
     p = cfg.parallel
     _require(p.zero in (-1, 0, 1, 2, 3), f"parallel.zero={p.zero}: use 0, 1, 2 or 3")
     _require(p.bucket_size >= 0, f"parallel.bucket_size={p.bucket_size} must be zero (one bucket) or positive")

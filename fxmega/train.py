@@ -17,10 +17,9 @@ from tqdm import tqdm
 
 from fxmega import checkpoint, tree
 from fxmega.config import RunConfig, to_dict
-from fxmega.data.batches import MockTokens, TokenWindows, micro_batches
-from fxmega.data.corpus import ensure_shakespeare
-from fxmega.data.tokenizer import ByteTokenizer
-from fxmega.errors import ConfigError, DataError
+from fxmega.data.batches import micro_batches
+from fxmega.data.sources import build_data
+from fxmega.errors import ConfigError
 from fxmega.generate import generate
 from fxmega.init import count_params, init_params
 from fxmega.logs import RunLog
@@ -37,27 +36,6 @@ def pick_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("train.device=cuda but no CUDA device is available: use train.device=cpu or auto")
     return torch.device(name)
-
-
-def build_data(cfg: RunConfig) -> tuple[Any, Any, ByteTokenizer | None]:
-    """Train and validation sources, and the tokenizer (None for mock data)."""
-    t, d = cfg.train, cfg.data
-    if d.source == "mock":
-        return (MockTokens(cfg.model.vocab_size, t.seq_len, t.seed, "train"),
-                MockTokens(cfg.model.vocab_size, t.seq_len, t.seed, "valid"), None)
-    tokenizer = ByteTokenizer()
-    if cfg.model.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the byte tokenizer's "
-                          f"{tokenizer.vocab_size} tokens: set model.vocab_size >= {tokenizer.vocab_size}")
-    path = ensure_shakespeare(d.data_dir) if d.source == "shakespeare" else d.source
-    try:
-        text = open(path, encoding="utf-8").read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DataError(f"cannot read data.source={str(path)!r} as UTF-8 text: {e}") from None
-    tokens = tokenizer.encode_array(text)
-    n_valid = max(t.seq_len + 2, int(len(tokens) * d.valid_fraction))
-    return (TokenWindows(tokens[:-n_valid], t.seq_len, t.seed, "train"),
-            TokenWindows(tokens[-n_valid:], t.seq_len, t.seed, "valid"), tokenizer)
 
 
 def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -89,7 +67,8 @@ class Run:
         self.train_step = TrainStep(loss_sum, decay_mask(self.specs, cfg.optim.decay_embeddings), hyper,
                                     cfg.optim.clip_grad, compile=t.compile, parallel=parallel)
         self.eval_step = EvalStep(loss_sum, compile=t.compile)
-        self.train_data, self.valid_data, self.tokenizer = build_data(cfg)
+        self.data = build_data(cfg)
+        self.train_data, self.valid_data, self.tokenizer = self.data.train, self.data.valid, self.data.tokenizer
 
     def _single_device_loss_sum(self, flat: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return lm_loss_sum(tree.unflatten_like(self.specs, flat), batch, self.cfg.model)
@@ -136,7 +115,8 @@ class Run:
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds. The data position is the step: batches are a function of
-        it. Sharded runs save DTensors, so each rank writes only its shards."""
+        it (consumed samples = step x global batch, recorded with the data it indexes).
+        Sharded runs save DTensors, so each rank writes only its shards."""
         params, opt = self.params, self.opt_state
         par = self.parallel
         if par is not None:
@@ -145,7 +125,9 @@ class Run:
             opt = {"step": opt["step"],
                    **{k: [par.as_dtensor(m, lay, "opt") for m, lay in zip(opt[k], par.layouts)]
                       for k in ("exp_avg", "exp_avg_sq")}}
-        return {"params": params, "opt": opt, "meta": {"step": self.step, "config": str(to_dict(self.cfg))}}
+        meta = {"step": self.step, "consumed_samples": self.step * self.cfg.train.global_batch_size,
+                "data": self.data.description, "config": str(to_dict(self.cfg))}
+        return {"params": params, "opt": opt, "meta": meta}
 
     def save(self, root: str) -> str:
         return str(checkpoint.save(root, self.step, self.state()))
@@ -156,12 +138,15 @@ class Run:
         if path is None:
             return False
         template = self.state()
-        template["meta"] = {"step": 0}
+        template["meta"] = {"step": 0, "data": ""}
         state = checkpoint.load(path, template)
         self.step = int(state["meta"]["step"])
         self.opt_state["step"].copy_(state["opt"]["step"])
         if self.parallel is None or self.parallel.rank == 0:
             print(f"resumed from {path} at step {self.step}")
+            if state["meta"]["data"] != self.data.description:  # said, not silently continued
+                print(f"warning: the checkpoint was trained on {state['meta']['data']}; this run reads "
+                      f"{self.data.description}, from sample {self.step * self.cfg.train.global_batch_size:,}")
         return True
 
     def sample(self, n_tokens: int, prompt: str, seed: int) -> str:
@@ -203,6 +188,7 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
     say(f"batch: {t.global_batch_size} x {t.seq_len} tokens = micro batch {t.micro_batch_size} x "
         f"{cfg.grad_accum_steps(dp)} accumulation steps x {dp} data-parallel ranks; {t.steps} steps; "
         f"compile={t.compile}")
+    say(f"data: {run.data.description}")
     log = RunLog(t.log_jsonl, t.tensorboard_dir) if main else RunLog()
     result = RunResult(run=run)
     meter = Throughput(flops, peak, world)

@@ -32,8 +32,8 @@ BUCKET = 20_000  # elements: the tiny GPT's 120k parameters make several buckets
 def tiny_config(parallel: dict | None = None, compile: bool = True, model: str = "tiny_gpt", extra: tuple = ()):
     """The tiny GPT with a vocabulary tp=2 does not divide (255, padded to 256 under tp)."""
     cfg = override(load(ROOT / "configs" / f"{model}.py"),
-                   [f"train.compile={compile}", "train.global_batch_size=8", "train.micro_batch_size=4", "train.device=cpu",
-                    "model.vocab_size=255", *extra])
+                   [f"train.compile={compile}", "train.global_batch_size=8", "train.micro_batch_size=4",
+                    "train.device=cpu", "model.vocab_size=255", *extra])
     if parallel is not None:
         cfg = dataclasses.replace(cfg, parallel=ParallelConfig(bucket_size=BUCKET, **parallel))
     return cfg

@@ -6,7 +6,6 @@ import torch
 
 from fxmega.data.batches import MockTokens, TokenWindows, micro_batches
 from fxmega.data.corpus import EXPECTED_SHA256, ensure_shakespeare, sha256_of
-from fxmega.data.tokenizer import ByteTokenizer
 from fxmega.errors import DataError
 from tests.conftest import ROOT
 
@@ -41,11 +40,6 @@ def test_micro_batches_follow_megatron_order():
     assert [m["inputs"].flatten().tolist() for m in rank1] == [[2, 3], [6, 7]]
     assert [m["inputs"].flatten().tolist() for m in micro_batches(batch, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
 
-
-def test_byte_tokenizer_round_trip():
-    tok = ByteTokenizer()
-    assert tok.decode(tok.encode("Thou art — ünïcode")) == "Thou art — ünïcode"
-    assert tok.decode([0xFF]) == "\ufffd"  # invalid bytes from sampling do not crash
 
 
 def test_shakespeare_corpus_is_the_known_text():

@@ -74,3 +74,26 @@ def micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int, dp_rank
         lo = accum_start + dp_rank * micro_batch_size
         out.append({k: v[lo:lo + micro_batch_size] for k, v in batch.items()})
     return out
+
+
+class SampleBatches:
+    """Global batches from a dataset of samples (``GPTDataset``, ``BlendedDataset``): step
+    ``s`` takes samples ``[s*B, (s+1)*B)``, so the data position is the step, as in
+    Megatron-LM (consumed samples = step x global batch). Token ids are checked against
+    the model's vocabulary as they are read."""
+
+    def __init__(self, dataset, vocab_size: int, name: str) -> None:
+        self.dataset, self.vocab_size, self.name = dataset, vocab_size, name
+
+    def global_batch(self, step: int, batch_size: int) -> dict[str, torch.Tensor]:
+        lo, hi = step * batch_size, (step + 1) * batch_size
+        if hi > len(self.dataset):
+            raise DataError(f"the {self.name} data holds {len(self.dataset):,} samples; step {step} needs samples "
+                            f"up to {hi:,} (the index is built for the configured steps; rebuild it for more)")
+        windows = np.stack([self.dataset[i] for i in range(lo, hi)])
+        top = int(windows.max())
+        if top >= self.vocab_size or int(windows.min()) < 0:
+            raise DataError(f"token id {top} in the {self.name} data is outside model.vocab_size={self.vocab_size}: "
+                            f"the data was tokenized with a larger vocabulary than the model's; match "
+                            f"data.tokenizer to the data, or raise model.vocab_size")
+        return _as_batch(windows)

