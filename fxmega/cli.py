@@ -49,6 +49,9 @@ FLAG_KEYS = {
     "--rules": "parallel.rules",
     "--zero": "parallel.zero",
     "--ddp-bucket-size": "parallel.bucket_size",
+    "--pipeline-schedule": "parallel.pipeline_schedule",
+    "--virtual-stages": "parallel.virtual_stages",
+    "--pipeline-layout": "parallel.pipeline_layout",
 }
 
 
@@ -105,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             from fxmega.models import model_for
             from fxmega.sharding.strategy import plan_from
 
-            plan = plan_from(model_for(cfg.model).param_specs(cfg.model), cfg.parallel)
+            model = model_for(cfg.model)
+            plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
             cfg.validate(plan.mesh.data_size)
             print(plan.explain())
             return 0

@@ -84,6 +84,10 @@ class ParallelConfig:
     bucket_size: int = 40_000_000  # elements per gradient-reduction bucket (Megatron: --ddp-bucket-size)
     timeout_s: int = 600  # collectives that wait longer fail instead of hanging
     zero3_regather: bool = True  # ZeRO-3: re-gather parameters in the backward instead of keeping them
+    pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zero-bubble
+    virtual_stages: int = 1  # stages per pp rank (interleaved schedules; Megatron: virtual pipeline size)
+    # stages like "Et*3|t*4|t*3L"; empty: balanced by cost (Megatron: --pipeline-model-parallel-layout)
+    pipeline_layout: str = ""
 
 
 ModelConfig = gpt.Config | llama.Config
@@ -243,3 +247,8 @@ def _validate(cfg: RunConfig, dp: int) -> None:
     _require(p.zero in (-1, 0, 1, 2, 3), f"parallel.zero={p.zero}: use 0, 1, 2 or 3")
     _require(p.bucket_size >= 0, f"parallel.bucket_size={p.bucket_size} must be zero (one bucket) or positive")
     _require(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be positive")
+    from fxmega.sharding.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+
+    _require(p.pipeline_schedule in PIPELINE_SCHEDULES,
+             f"parallel.pipeline_schedule={p.pipeline_schedule!r}: use one of {', '.join(PIPELINE_SCHEDULES)}")
+    _require(p.virtual_stages >= 1, f"parallel.virtual_stages={p.virtual_stages} must be at least 1")

@@ -54,6 +54,11 @@ class Run:
         self.device = device or pick_device(t.device)
         self.model = model_for(cfg.model)
         self.specs = self.model.param_specs(cfg.model)
+        # the parameters this process holds: all of them, or its pipeline stages' (global paths)
+        self.local_specs = self.specs if parallel is None else parallel.specs
+        self.pipelined = parallel is not None and parallel.plan.pipeline is not None
+        hyper = AdamWHyper(cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay)
+        decay = decay_mask(self.local_specs, cfg.optim.decay_embeddings)
         if parallel is None:
             self.params = trainable(init_params(self.specs, t.seed, self.device))
             self.opt_state = adamw_init(tree.leaves(self.params))
@@ -63,10 +68,19 @@ class Run:
             self.opt_state = parallel.init_opt_state(self.device)
             loss_sum = parallel.loss_sum_fn(cfg.model)
         self.step = 0  # optimizer steps taken
-        hyper = AdamWHyper(cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay)
-        self.train_step = TrainStep(loss_sum, decay_mask(self.specs, cfg.optim.decay_embeddings), hyper,
-                                    cfg.optim.clip_grad, compile=t.compile, parallel=parallel)
-        self.eval_step = EvalStep(loss_sum, compile=t.compile)
+        if self.pipelined:
+            from fxmega.pipeline_step import PipelineStep
+
+            # PipelineStage registers the stage's parameters as nn.Parameters (same storage)
+            self.params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), self.params)
+            self.train_step = PipelineStep(parallel, cfg.model, self.model, self.params, decay, hyper,
+                                           cfg.optim.clip_grad, cfg.grad_accum_steps(data_size), t.compile,
+                                           self.device)
+            self.eval_step = None
+        else:
+            self.train_step = TrainStep(loss_sum, decay, hyper, cfg.optim.clip_grad, compile=t.compile,
+                                        parallel=parallel)
+            self.eval_step = EvalStep(loss_sum, compile=t.compile)
         self.data = build_data(cfg)
         self.train_data, self.valid_data, self.tokenizer = self.data.train, self.data.valid, self.data.tokenizer
 
@@ -100,9 +114,12 @@ class Run:
         for i in range(t.eval_iters):
             batch = self.valid_data.global_batch(i, t.global_batch_size)
             count += batch["targets"].numel()
+            if self.pipelined:  # already summed over the pipeline and the data ranks
+                total += self.train_step.eval_sum(self._my_micro_batches(batch))
+                continue
             for micro in self._my_micro_batches(batch):
                 total += self.eval_step(self.params, micro)
-        if self.parallel is not None:
+        if self.parallel is not None and not self.pipelined:
             total = self.parallel.sum_over_data(total)
         return float(total) / count
 
@@ -111,7 +128,20 @@ class Run:
         if self.parallel is None:
             return self.params
         flat = self.parallel.full_tensors(tree.leaves(self.params))
+        if self.pipelined:
+            return self._gather_stages(flat)
         return tree.unflatten_like(self.specs, flat)
+
+    def _gather_stages(self, flat: list[torch.Tensor]) -> dict:
+        """The whole model on every rank from each pp rank's full stage tensors (an
+        all_gather_object over the pipeline: for sampling a small model, not for 70B)."""
+        import torch.distributed as dist
+
+        mine = {p: t.cpu() for p, t in zip(tree.paths(self.local_specs), flat)}
+        everyone: list[dict] = [None] * self.parallel.spec.size("pp")  # type: ignore[list-item]
+        dist.all_gather_object(everyone, mine, group=self.parallel.group(("pp",)).get_group())
+        merged = {p: t for part in everyone for p, t in part.items()}
+        return tree.map_with_path(lambda path, _: merged[path].to(self.device), self.specs)
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds. The data position is the step: batches are a function of
@@ -120,7 +150,7 @@ class Run:
         params, opt = self.params, self.opt_state
         par = self.parallel
         if par is not None:
-            params = tree.unflatten_like(self.specs, [par.as_dtensor(p, lay) for p, lay in
+            params = tree.unflatten_like(self.local_specs, [par.as_dtensor(p, lay) for p, lay in
                                                       zip(tree.leaves(params), par.layouts)])
             opt = {"step": opt["step"],
                    **{k: [par.as_dtensor(m, lay, "opt") for m, lay in zip(opt[k], par.layouts)]

@@ -50,3 +50,17 @@ def test_explain_prints_the_plan_for_a_big_mesh(capsys):
                  "--explain"]) == 0
     out = capsys.readouterr().out
     assert "mesh: dp=8 x tp=4 (32 ranks)" in out and "blocks.31.mlp.w_down" in out
+
+
+def test_mesh_2x2x2_with_a_pipeline_through_the_launcher_matches_one_device(tmp_path):
+    args = [*ARGS, "--micro-batch-size", "2", "--no-compile"]  # 2 microbatches per data rank and step
+    single = tmp_path / "single.jsonl"
+    assert main([*args, "--log-jsonl", str(single)]) == 0
+    piped = tmp_path / "piped.jsonl"
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args, "--mesh", "2x2x2", "--rules", "zero1",
+                           "--pipeline-schedule", "gpipe", "--log-jsonl", str(piped)],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mesh: pp=2 x dp=2 x tp=2 (8 ranks)" in proc.stdout and "stage 1 on pp rank 1: block 1, L" in proc.stdout
+    assert _losses(piped) == pytest.approx(_losses(single), rel=1e-5)

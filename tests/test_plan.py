@@ -99,7 +99,7 @@ def test_vocab_padded_for_tp():
     (tiny(), "fsdp=3", preset("fsdp"),
      r"embed.tokens: dim 1 \(embed\) has size 64, which the data axes fsdp \(size 3\) do not divide"),
     (tiny(), "dp=2,fsdp=2", Strategy({"embed": "fsdp"}, 1), "zero 1 shards optimizer state over dp, but the rules"),
-    (tiny(), "pp=2", preset("megatron"), "pipeline parallelism is not implemented yet"),
+    (tiny(), "pp=2", preset("megatron"), "has pp=2 but no stage split was given"),
     (tiny(), "tp=2", Strategy({"embed": ("tp", "fsdp")}, 0), None),
 ])
 def test_plan_validation(specs, mesh, strategy, message):

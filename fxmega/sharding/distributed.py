@@ -71,15 +71,33 @@ def setup(cfg, mesh: MeshSpec):  # -> (Parallel, device)
     per_rank_caches()
     device_type = None if cfg.train.device == "auto" else cfg.train.device
     device_mesh, rank, device = init(mesh, cfg.parallel.timeout_s, device_type)
-    specs = model_for(cfg.model).param_specs(cfg.model)
-    plan = plan_from(specs, cfg.parallel)
+    model = model_for(cfg.model)
+    specs = model.param_specs(cfg.model)
+    plan = plan_from(specs, cfg.parallel, model)
     if rank == 0:
         print(f"mesh: {mesh.describe()}, {plan.strategy.name} (zero {plan.zero})"
               + (", sequence parallel" if plan.sequence_parallel else "") + "".join(f"\nnote: {n}" for n in plan.notes),
               flush=True)
+        if plan.pipeline is not None:
+            print("\n".join(plan.pipeline.describe()), flush=True)
     coords = mesh.coords(rank)
     print(f"rank {rank}: " + ", ".join(f"{a}={coords[a]}" for a in mesh.names) + f" on {device}", flush=True)
-    return Parallel(plan, device_mesh, rank, specs, cfg.parallel.bucket_size, cfg.parallel.zero3_regather), device
+    local = local_specs(specs, plan, coords["pp"])
+    return Parallel(plan, device_mesh, rank, local, cfg.parallel.bucket_size, cfg.parallel.zero3_regather), device
+
+
+def local_specs(specs: dict, plan, pp_rank: int) -> dict:
+    """The part of the spec tree pp rank ``pp_rank`` holds; blocks keep their global index
+    as a dict key, so every path (and so every seed and checkpoint key) is the global one."""
+    if plan.pipeline is None:
+        return specs
+    out: dict = {}
+    for key, sub in specs.items():
+        if key == "blocks":
+            out["blocks"] = {str(i): b for i, b in enumerate(sub) if pp_rank in plan.pp_owners(f"blocks.{i}")}
+        elif pp_rank in plan.pp_owners(key):
+            out[key] = sub
+    return out
 
 
 def shutdown() -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from fxmega import tree
 from fxmega.errors import ConfigError
 from fxmega.sharding.mesh import DATA_AXES, PHYSICAL_ORDER, MeshSpec
+from fxmega.sharding.pipeline import PipelineLayout
 from fxmega.sharding.rules import LOGICAL_AXES, Strategy, mesh_axes_of
 from fxmega.spec import ParamSpec
 
@@ -80,6 +81,15 @@ class ShardingPlan:
     vocab_size: int = 0
     padded_vocab_size: int = 0
     notes: list[str] = field(default_factory=list)
+    pipeline: PipelineLayout | None = None
+    embed_groups: tuple[str, ...] = ()  # the model's EMBED_PARAMS / HEAD_PARAMS (for stage ownership)
+    head_groups: tuple[str, ...] = ()
+
+    def pp_owners(self, path: str) -> list[int]:
+        """The pp ranks that hold parameter ``path`` (all of them: [0] without pp)."""
+        if self.pipeline is None:
+            return [0]
+        return self.pipeline.owners(path, self.embed_groups, self.head_groups)
 
     @property
     def tp(self) -> int:
@@ -102,17 +112,21 @@ class ShardingPlan:
                               f"dim of a tensor; map one of {[axes[d] for d in dims]} to None in the rules")
         return dims[0] if dims and self.tp > 1 else None
 
-    def bytes_per_rank(self) -> dict[str, int]:
+    def bytes_per_rank(self, pp_rank: int = 0) -> dict[str, int]:
+        """Parameter, gradient and optimizer bytes on a rank (of pipeline rank ``pp_rank``)."""
         copies = {"param": 1, "grad": 1, "opt": 2}  # AdamW keeps two moments
-        return {kind: sum(p.local_numel(kind) for p in self.params.values()) * BYTES_PER_ELEMENT * copies[kind]
-                for kind in KINDS}
+        mine = [p for p in self.params.values() if pp_rank in self.pp_owners(p.path)]
+        return {kind: sum(p.local_numel(kind) for p in mine) * BYTES_PER_ELEMENT * copies[kind] for kind in KINDS}
 
     def explain(self) -> str:
         return explain(self)
 
 
-def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy) -> ShardingPlan:
-    """Validate ``strategy`` against the specs and mesh and lay out every parameter."""
+def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy, pipeline: PipelineLayout | None = None,
+              model_groups: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())) -> ShardingPlan:
+    """Validate ``strategy`` against the specs and mesh and lay out every parameter; with
+    pp > 1, ``pipeline`` says which stage (and pp rank) holds what, and ``model_groups``
+    the model's embedding and head parameter groups."""
     rules, zero = strategy.rules, strategy.zero
     leaves = list(tree.items(specs))
     known = {a for _, s in leaves for a in s.axes} | set(LOGICAL_AXES)
@@ -126,20 +140,31 @@ def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy) -> ShardingP
                                   f"mesh axes are {', '.join(PHYSICAL_ORDER)}")
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"--zero {zero}: use 0, 1, 2 or 3")
-    if mesh.size("pp") > 1:
-        raise ConfigError(f"mesh {mesh.describe()} has pp={mesh.size('pp')}: pipeline parallelism is not "
-                          f"implemented yet; use dp, fsdp and tp")
+    if mesh.size("pp") > 1 and pipeline is None:
+        raise ConfigError(f"mesh {mesh.describe()} has pp={mesh.size('pp')} but no stage split was given")
     tp = mesh.size("tp")
     data_sizes = {a: mesh.size(a) for a in DATA_AXES}
     vocab = next((s.shape[s.axes.index("vocab")] for _, s in leaves if "vocab" in s.axes), 0)
     vocab_split = "tp" in mesh_axes_of(rules.get("vocab"))
     padded_vocab = -(-vocab // tp) * tp if vocab and vocab_split else vocab
-    plan = ShardingPlan(mesh, strategy, {}, vocab, padded_vocab)
+    plan = ShardingPlan(mesh, strategy, {}, vocab, padded_vocab, pipeline=pipeline, embed_groups=model_groups[0],
+                        head_groups=model_groups[1])
     if padded_vocab != vocab:
         plan.notes.append(f"vocab {vocab:,} padded to {padded_vocab:,} so that tp={tp} divides it; "
                           f"the padded logits are masked out of the loss")
     for path, spec in leaves:
         plan.params[path] = _layout(path, spec, rules, zero, mesh, tp, data_sizes, vocab, padded_vocab)
+    if pipeline is not None:
+        sharded = [p.path for p in plan.params.values() if p.data_axes["grad"]]
+        if sharded:
+            raise ConfigError(f"pp={mesh.size('pp')} with gradients sharded over the data axes ({sharded[0]}, zero "
+                              f"{zero} / fsdp rules): the pipeline schedule accumulates gradients over microbatches "
+                              f"inside the stage, so they cannot be reduce-scattered per microbatch. Use --zero 1 "
+                              f"(optimizer state sharded, as Megatron-LM's distributed optimizer does with pp) or 0")
+        tied = [p for p in plan.params if len(plan.pp_owners(p)) > 1]
+        if tied:
+            plan.notes.append(f"{', '.join(tied)} held by pp ranks {plan.pp_owners(tied[0])} (first and last stage); "
+                              f"their gradients are summed over pp, so the copies stay identical")
     return plan
 
 
@@ -220,6 +245,8 @@ def explain(plan: ShardingPlan) -> str:
         opt = " ".join(p.placement_names("opt", mesh))
         if opt != pl and opt:
             pl += f" | opt {opt}"
+        if plan.pipeline is not None:
+            pl += " @ pp " + ",".join(map(str, plan.pp_owners(p.path)))
         rows.append((p.path, str(list(p.shape)), "(" + ", ".join(p.axes) + ")", pl, str(list(p.local_shape())),
                      _fmt_bytes(p.local_numel() * BYTES_PER_ELEMENT)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -227,9 +254,13 @@ def explain(plan: ShardingPlan) -> str:
         lines.append("  ".join(c.ljust(w) if j < 5 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
         if i == 0:
             lines.append("  ".join("-" * w for w in widths))
-    b = plan.bytes_per_rank()
-    lines.append(f"per rank: parameters {_fmt_bytes(b['param'])}, gradients {_fmt_bytes(b['grad'])}, "
-                 f"AdamW state {_fmt_bytes(b['opt'])}, total {_fmt_bytes(sum(b.values()))} (fp32)")
+    if plan.pipeline is not None:
+        lines += plan.pipeline.describe()
+    for r in range(mesh.size("pp")):
+        b = plan.bytes_per_rank(r)
+        who = f"pp rank {r}" if plan.pipeline is not None else "per rank"
+        lines.append(f"{who}: parameters {_fmt_bytes(b['param'])}, gradients {_fmt_bytes(b['grad'])}, "
+                     f"AdamW state {_fmt_bytes(b['opt'])}, total {_fmt_bytes(sum(b.values()))} (fp32)")
     resid = plan.activation_tp_dims(("batch", "seq", "embed"))
     lines.append("activations: batch split over the data axes (each data rank reads its own micro batches); "
                  "residual stream [batch, seq, embed] " + ("split along seq over tp (sequence parallel)" if resid == 1

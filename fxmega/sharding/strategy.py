@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 from fxmega import tree
 from fxmega.config import ParallelConfig
 from fxmega.errors import ConfigError
 from fxmega.sharding.mesh import MeshSpec
+from fxmega.sharding.pipeline import PipelineLayout, make_pipeline
 from fxmega.sharding.plan import ShardingPlan, make_plan
 from fxmega.sharding.rules import Strategy, preset
 
@@ -25,5 +28,23 @@ def strategy_from(p: ParallelConfig) -> Strategy:
     return Strategy(rules, zero, name)
 
 
-def plan_from(specs: tree.Tree, p: ParallelConfig) -> ShardingPlan:
-    return make_plan(specs, MeshSpec.parse(p.mesh), strategy_from(p))
+def plan_from(specs: tree.Tree, p: ParallelConfig, model: ModuleType | None = None) -> ShardingPlan:
+    """The plan for ``p``; ``model`` (the model module) is needed when the mesh has pp."""
+    mesh = MeshSpec.parse(p.mesh)
+    pipeline, groups = None, ((), ())
+    if mesh.size("pp") > 1:
+        if model is None:
+            raise ConfigError("a mesh with pp needs the model module to cut stages")
+        pipeline = pipeline_from(specs, mesh.size("pp"), p, model)
+        groups = (model.EMBED_PARAMS, model.HEAD_PARAMS)
+    return make_plan(specs, mesh, strategy_from(p), pipeline, groups)
+
+
+def pipeline_from(specs: tree.Tree, pp: int, p: ParallelConfig, model: ModuleType) -> PipelineLayout:
+    """Stages for ``pp`` ranks, costed in blocks: a block by its parameter count, the head by
+    its own parameters (the vocabulary projection, tied or not), the embedding lookup as 0."""
+    block = sum(s.numel for s in tree.leaves(specs["blocks"][0]))
+    head = sum(s.numel for path, s in tree.items({k: specs[k] for k in model.HEAD_PARAMS})
+               if "vocab" in s.axes or path.split(".")[0] not in model.EMBED_PARAMS)
+    return make_pipeline(len(specs["blocks"]), pp, p.virtual_stages, p.pipeline_schedule, p.pipeline_layout,
+                         0.0, head / block)

@@ -1,0 +1,210 @@
+"""The training step of a pipelined run: torch.distributed.pipelining runs the stages'
+forward and backward passes over the microbatches in the schedule's order, then one
+compiled update graph reduces gradients over the data axes, sums the tied embedding's
+gradient over the pipeline, clips by the global norm and applies AdamW.
+
+A stage is a thin ``nn.Module`` shell (what PipelineStage wants) whose forward calls a
+pure function of the stage's parameters: the embedding on the first stage, its blocks,
+the head on the last. That function is compiled with torch.compile (TP/SP collectives
+inside it) except under the zero-bubble schedules, which split each backward into an
+input part and a weight part by walking the stage's autograd graph — a compiled stage is
+one opaque autograd node, and torch refuses the combination — so those run eagerly.
+
+The loss is the summed cross-entropy of each microbatch divided by the token count of
+the whole global batch, as in ``fxmega.step``, so pp runs equal single-device runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed import pipelining
+from torch.distributed.tensor import DTensor, Replicate
+
+from fxmega import layers, tree
+from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_
+from fxmega.sharding import layout
+from fxmega.sharding.pipeline import SCHEDULES, SPLIT_BACKWARD, Stage, check_microbatches
+from fxmega.step import count_tokens
+
+RESIDUAL = ("batch", "seq", "embed")
+LOGITS = ("batch", None, "vocab")
+
+
+def _stage_tree(local: dict, stage: Stage, model: Any) -> dict:
+    """The part of this rank's parameter tree that ``stage`` reads (same tensors)."""
+    out = {}
+    if stage.embed:
+        out.update({g: local[g] for g in model.EMBED_PARAMS})
+    out["blocks"] = {str(i): local["blocks"][str(i)] for i in stage.blocks}
+    if stage.head:
+        out.update({g: local[g] for g in model.HEAD_PARAMS})
+    return out
+
+
+class _StageModule(nn.Module):
+    """What PipelineStage runs: the stage function over the stage's parameters, which are
+    registered here (PipelineStage reads ``parameters()`` for weight gradients)."""
+
+    def __init__(self, fn: Any, params: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.fn = fn
+        self.stage_params = nn.ParameterList(params)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(list(self.stage_params), x)
+
+
+class PipelineStep:
+    """Same interface as ``fxmega.step.TrainStep`` (``__call__`` returns params, optimizer
+    state and metrics), plus ``eval_sum`` for validation."""
+
+    def __init__(self, par: Any, cfg: Any, model: Any, params: dict, decay: list[bool], hyper: AdamWHyper,
+                 clip_grad: float, n_micro: int, compile: bool, device: torch.device) -> None:
+        plan, pipe = par.plan, par.plan.pipeline
+        check_microbatches(pipe.schedule, n_micro, pipe.pp, pipe.virtual)
+        self.par, self.cfg, self.model, self.pipe = par, cfg, model, pipe
+        self.decay, self.hyper, self.clip_grad, self.device = decay, hyper, clip_grad, device
+        self.flat = tree.leaves(params)
+        self.compiled = compile
+        self.compiled_stages = compile and pipe.schedule not in SPLIT_BACKWARD
+        if compile and not self.compiled_stages and par.rank == 0:  # said, not silently done
+            print(f"note: the {pipe.schedule} schedule splits each backward into input and weight gradients by "
+                  f"walking the stage's autograd graph, which a compiled stage hides: its stages run eagerly; "
+                  f"the update graph is compiled", flush=True)
+        self.pp_rank = par.coords["pp"]
+        self.my_stages = pipe.stages_of(self.pp_rank)
+        self.has_first = any(s.index == 0 for s in self.my_stages)
+        self.has_last = any(s.index == pipe.n_stages - 1 for s in self.my_stages)
+        self._inv_tokens = torch.ones((), device=device)
+        pp_group = par.group(("pp",)).get_group()
+        stages = []
+        for s in self.my_stages:
+            sub = _stage_tree(params, s, model)
+            fn = self._stage_fn(s, _stage_tree(par.layout_tree, s, model), sub)
+            if self.compiled_stages:
+                fn = torch.compile(fn, fullgraph=True, dynamic=False)
+            stages.append(pipelining.PipelineStage(_StageModule(fn, tree.leaves(sub)), s.index, pipe.n_stages,
+                                                   device, group=pp_group))
+        cls = getattr(pipelining, SCHEDULES[pipe.schedule][0])
+        self.schedule = cls(stages[0] if SCHEDULES[pipe.schedule][1] == "one" else stages, n_micro,
+                            loss_fn=self._loss_fn, scale_grads=False)
+        # parameters held by several pp ranks (the tied embedding on the first and last
+        # stage): every pp rank joins one all-reduce of their gradients, zeros where absent
+        paths = [p for p, _ in tree.items(par.layout_tree)]
+        self._shared = [(p, paths.index(p) if p in paths else None) for p in plan.params
+                        if len(plan.pp_owners(p)) > 1]
+        self._shared_shapes = [plan.params[p].local_shape("opt") for p, _ in self._shared]
+        counted = torch.tensor([1.0 if min(plan.pp_owners(p)) == self.pp_rank else 0.0 for p in paths], device=device)
+        self._norm_weights = par.norm_weights(device) * counted  # each element of the model once
+        self._loss_group = par.group(("pp", *par.data_axes))
+        self._update = torch.compile(self._update_fn, fullgraph=True, dynamic=False) if compile else self._update_fn
+
+    # -- the stage function and the loss ----------------------------------------------
+    def _stage_fn(self, stage: Stage, lays: dict, like: dict):
+        par, model, cfg = self.par, self.model, self.cfg
+
+        def top(groups: tuple[str, ...], t: dict) -> dict:
+            return {g: t[g] for g in groups}
+
+        def run(flat: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            params = tree.unflatten_like(like, flat)
+            with layout.activate(par if par.tp_mesh is not None else None):
+                if stage.embed:
+                    x = self._wrap(x, None)
+                    x = par._call(model.embed, top(model.EMBED_PARAMS, params), top(model.EMBED_PARAMS, lays), x, cfg)
+                else:
+                    x = self._wrap(x, RESIDUAL)
+                for i in stage.blocks:
+                    x = par._call(model.block, params["blocks"][str(i)], lays["blocks"][str(i)], x, cfg)
+                if stage.head:
+                    x = par._call(model.head, top(model.HEAD_PARAMS, params), top(model.HEAD_PARAMS, lays), x, cfg)
+                    return self._unwrap(x, LOGITS)
+                return self._unwrap(x, RESIDUAL)
+
+        return run
+
+    def _wrap(self, x: torch.Tensor, axes: tuple | None) -> torch.Tensor:
+        """A tensor received from the previous stage (or the tokens) as the DTensor it was."""
+        if self.par.tp_mesh is None:
+            return x
+        placement = [Replicate()] if axes is None else self.par._tp_placement(axes)
+        return DTensor.from_local(x, self.par.tp_mesh, placement, run_check=False)
+
+    def _unwrap(self, x: torch.Tensor, axes: tuple) -> torch.Tensor:
+        if self.par.tp_mesh is None:
+            return x
+        return self.par.constrain(x, axes).to_local()
+
+    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of a microbatch over the global token count (vocab-parallel
+        under tp: the logits stay split)."""
+        par = self.par
+        with layout.activate(par if par.tp_mesh is not None else None):
+            loss = layers.cross_entropy_sum(self._wrap(logits, LOGITS), self._wrap(targets, None), None,
+                                            vocab_size=self.cfg.vocab_size)
+        if isinstance(loss, DTensor):
+            loss = loss.redistribute(par.tp_mesh, [Replicate()]).to_local()
+        return loss * self._inv_tokens
+
+    def _run_schedule(self, micro: list[dict[str, torch.Tensor]], train: bool) -> torch.Tensor:
+        tokens = torch.cat([m["inputs"] for m in micro])
+        targets = torch.cat([m["targets"] for m in micro])
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if self.has_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
+        mine = torch.stack([loss.detach().reshape(()) for loss in losses]).sum() if losses else \
+            torch.zeros((), device=self.device)
+        return funcol.all_reduce(mine, "sum", self._loss_group)  # only the last stage has it
+
+    # -- one optimizer step -----------------------------------------------------------
+    def _update_fn(self, flat: list[torch.Tensor], grads: list[torch.Tensor], opt_state: dict, lr: torch.Tensor,
+                   norm_weights: torch.Tensor) -> torch.Tensor:
+        par = self.par
+        with torch.no_grad():
+            grads = par.final_grads(grads)
+            grads = self._sum_shared(grads)
+            targets = par.opt_views(flat)
+            grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights, par.sum_over_world)
+            adamw_update(targets, grads, opt_state, lr, self.hyper, self.decay)
+            par.refresh_params(flat, targets)
+        return grad_norm
+
+    def _sum_shared(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        if not self._shared:
+            return grads
+        pieces = [grads[i].reshape(-1) if i is not None else torch.zeros(shape, device=self.device).reshape(-1)
+                  for (_, i), shape in zip(self._shared, self._shared_shapes)]
+        summed = funcol.all_reduce(torch.cat(pieces), "sum", self.par.group(("pp",)))
+        out, offset = list(grads), 0
+        for (_, i), piece in zip(self._shared, pieces):
+            if i is not None:
+                out[i] = summed[offset:offset + piece.numel()].view_as(grads[i])
+            offset += piece.numel()
+        return out
+
+    def __call__(self, params: tree.Tree, opt_state: dict, micro_batches: list[dict[str, torch.Tensor]],
+                 lr: float, n_tokens: torch.Tensor | None = None) -> tuple[tree.Tree, dict, dict[str, torch.Tensor]]:
+        if n_tokens is None:
+            n_tokens = count_tokens(micro_batches)
+        self._inv_tokens = (1.0 / n_tokens).to(self.device)
+        for p in self.flat:
+            p.grad = None
+        loss = self._run_schedule(micro_batches, train=True)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.flat]
+        for p in self.flat:
+            p.grad = None  # the update owns them now
+        lr_t = torch.tensor(lr, dtype=torch.float32, device=self.device)
+        grad_norm = self._update(self.flat, grads, opt_state, lr_t, self._norm_weights)
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
+
+    def eval_sum(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Summed loss of this data rank's micro batches, reduced over the pipeline and the
+        data axes (every rank returns the same value)."""
+        self._inv_tokens = torch.ones((), device=self.device)
+        with torch.no_grad():
+            return self._run_schedule(micro_batches, train=False)
