@@ -149,12 +149,14 @@ class Run:
         Sharded runs save DTensors, so each rank writes only its shards."""
         params, opt = self.params, self.opt_state
         par = self.parallel
+        moments = {k: opt[k] for k in ("exp_avg", "exp_avg_sq")}
         if par is not None:
             params = tree.unflatten_like(self.local_specs, [par.as_dtensor(p, lay) for p, lay in
-                                                      zip(tree.leaves(params), par.layouts)])
-            opt = {"step": opt["step"],
-                   **{k: [par.as_dtensor(m, lay, "opt") for m, lay in zip(opt[k], par.layouts)]
-                      for k in ("exp_avg", "exp_avg_sq")}}
+                                                            zip(tree.leaves(params), par.layouts)])
+            moments = {k: [par.as_dtensor(m, lay, "opt") for m, lay in zip(v, par.layouts)] for k, v in moments.items()}
+        # moments keyed by parameter path, not list position: under pp each rank holds a
+        # different list, and the same position would name different tensors
+        opt = {"step": opt["step"], **{k: dict(zip(tree.paths(self.local_specs), v)) for k, v in moments.items()}}
         meta = {"step": self.step, "consumed_samples": self.step * self.cfg.train.global_batch_size,
                 "data": self.data.description, "config": str(to_dict(self.cfg))}
         return {"params": params, "opt": opt, "meta": meta}

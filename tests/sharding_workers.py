@@ -152,10 +152,10 @@ def peak_memory(zero: int, regather: bool = True, d_model: int = 768, n_layers: 
 MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "65536"}
 
 
-def resume(root: str, steps: int) -> dict | None:
+def resume(root: str, steps: int, parallel: dict | None = None, extra: tuple = ()) -> dict | None:
     """Train 2*steps straight, and steps + save + a fresh Run that resumes + steps, eagerly,
-    with ZeRO-1 on dp=2 (sharded optimizer state in the checkpoint)."""
-    cfg = tiny_config(dict(mesh="dp=2", rules="zero1"), compile=False)
+    with ZeRO-1 on dp=2 (sharded optimizer state in the checkpoint) unless told otherwise."""
+    cfg = tiny_config(parallel or dict(mesh="dp=2", rules="zero1"), compile=False, extra=extra)
     mesh = MeshSpec.parse(cfg.parallel.mesh)
     par, device = distributed.setup(cfg, mesh)
     straight = Run(cfg, par, device)
@@ -167,4 +167,7 @@ def resume(root: str, steps: int) -> dict | None:
     assert second.resume(root) and second.step == steps
     got += [second.do_step()["loss"] for _ in range(steps)]
     same = all(torch.equal(a, b) for a, b in zip(tree.leaves(second.params), tree.leaves(straight.params)))
-    return {"expected": expected, "got": got, "params_equal": same} if torch.distributed.get_rank() == 0 else None
+    same = torch.tensor(float(same))
+    torch.distributed.all_reduce(same, torch.distributed.ReduceOp.MIN)  # every rank's shards (pp: its stages)
+    return {"expected": expected, "got": got, "params_equal": bool(same)} if torch.distributed.get_rank() == 0 \
+        else None
