@@ -1,20 +1,33 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP), written atomically.
+"""Checkpoints with torch.distributed.checkpoint (DCP): sharded, optionally asynchronous,
+atomic, verified on load, loadable onto another mesh.
 
 Layout under a checkpoint root::
 
-    root/step_00000200/    one DCP checkpoint (each rank writes its own shards)
+    root/step_00000200/    one checkpoint
+        .metadata          DCP's index of every tensor's shards
+        __R_I.distcp       tensor data; rank R writes only its own shards
+        meta.json          step, data position, config, RNG: everything that is not a tensor
+        manifest.json      size and CRC-32 of every file above, written last
     root/latest            text file naming the newest complete step directory
 
-A checkpoint is written into a hidden temporary directory and renamed into place only when
-complete; ``latest`` is replaced (atomically) last. A crash during a save therefore leaves
-the previous checkpoint and pointer intact.
+A save writes into ``root/.tmp_step_...`` and is renamed into place only when every rank's
+files and the manifest are on disk; ``latest`` is replaced (atomically) after that, and old
+checkpoints beyond ``keep_last`` are removed only then. A crash or kill at any moment
+therefore leaves the previous checkpoint and pointer intact. With ``async_save`` the
+tensors are copied to CPU memory and written by a background thread while training
+continues; the rename happens at the next save or at the end (``Checkpointer.wait``).
+
+This module assumes what Megatron-LM assumes: all ranks see one shared filesystem.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,46 +35,133 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from fxmega.checkpoint_files import META, SafeReader, digests, read_meta, verify, write_manifest
 from fxmega.errors import CheckpointError
+
+STEP_PREFIX = "step_"
+# DCP says this for every single-process save, from the writer thread too when async
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 
 def step_dir(root: str | Path, step: int) -> Path:
-    return Path(root) / f"step_{step:08d}"
+    return Path(root) / f"{STEP_PREFIX}{step:08d}"
 
 
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+def _distributed() -> bool:
+    return dist.is_initialized()
 
 
-def _single_process() -> bool:
-    return not dist.is_initialized()
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
 
 
-def save(root: str | Path, step: int, state: dict[str, Any]) -> Path:
-    """Save ``state`` (a tree of tensors, DTensors and plain values) as step ``step``."""
-    root = Path(root)
-    final = step_dir(root, step)
-    tmp = root / f".tmp_{final.name}"
-    if _is_rank0():
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    if not _single_process():
+def _world() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _barrier() -> None:
+    if _distributed():
         dist.barrier()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=_single_process())
-    if not _single_process():
-        dist.barrier()
-    if _is_rank0():
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        pointer = root / ".latest.tmp"
-        pointer.write_text(final.name + "\n")
-        os.replace(pointer, root / "latest")
-    if not _single_process():
-        dist.barrier()
-    return final
+
+
+class Checkpointer:
+    """Saves under one root; ``keep_last`` > 0 keeps only the newest K checkpoints."""
+
+    def __init__(self, root: str | Path, keep_last: int = 0, async_save: bool = False) -> None:
+        self.root, self.keep_last, self.async_save = Path(root), keep_last, async_save
+        self._pending: tuple[Future, Path, int, dict] | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="fxmega-checkpoint")
+        self.blocked_s = 0.0  # time the caller waited on saves (for the benchmark and the log)
+
+    def save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
+        """Start (async) or complete (sync) checkpoint ``step``; returns its final path."""
+        t0 = time.perf_counter()
+        self.wait()
+        final = step_dir(self.root, step)
+        tmp = self.root / f".tmp_{final.name}"
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        writer = dcp.FileSystemWriter(str(tmp))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            if self.async_save:
+                written = _as_future(dcp.async_save(tensors, storage_writer=writer, no_dist=not _distributed()))
+                rank = _rank()
+                # the CRCs of this rank's files are computed in the background too
+                summed = self._pool.submit(lambda: (written.result(), _my_digests(tmp, rank))[1])
+                self._pending = (summed, tmp, step, meta)
+            else:
+                dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
+                self._finish(tmp, step, meta)
+        self.blocked_s += time.perf_counter() - t0
+        return final
+
+    def wait(self) -> Path | None:
+        """Finish the pending asynchronous save (every rank must call); its path."""
+        if self._pending is None:
+            return None
+        t0 = time.perf_counter()
+        future, tmp, step, meta = self._pending
+        self._pending = None
+        self._finish(tmp, step, meta, future.result())
+        self.blocked_s += time.perf_counter() - t0
+        return step_dir(self.root, step)
+
+    def _finish(self, tmp: Path, step: int, meta: dict[str, Any], files: dict | None = None) -> None:
+        files = _my_digests(tmp, _rank()) if files is None else files
+        if _distributed():
+            everyone: list[dict] = [None] * _world()  # type: ignore[list-item]
+            dist.all_gather_object(everyone, files)
+            files = {k: v for part in everyone for k, v in part.items()}
+        if _rank() == 0:
+            (tmp / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+            files |= digests(tmp, [".metadata", META])
+            write_manifest(tmp, files)
+            _test_pause(step)
+            final = step_dir(self.root, step)
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            pointer = self.root / ".latest.tmp"
+            pointer.write_text(final.name + "\n")
+            os.replace(pointer, self.root / "latest")
+            self._retire()
+        _barrier()
+
+    def _retire(self) -> None:
+        if self.keep_last <= 0:
+            return
+        steps = sorted(p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX))
+        for old in steps[:-self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _my_digests(tmp: Path, rank: int) -> dict[str, dict[str, int]]:
+    """Size and CRC-32 of the files rank ``rank`` wrote."""
+    return digests(tmp, sorted(p.name for p in tmp.glob(f"__{rank}_*")))
+
+
+def _as_future(result: Any) -> Future:
+    # torch returns a Future, or an AsyncSaveResponse holding one
+    return getattr(result, "upload_completion", result)
+
+
+def _test_pause(step: int) -> None:
+    """A test seam: ``FXMEGA_TEST_PAUSE_BEFORE_RENAME=STEP:SECONDS`` holds the save of that
+    step open, files written but not renamed, so that a test can kill the process in the
+    middle of saving (tests/test_checkpoint.py)."""
+    at, _, seconds = os.environ.get("FXMEGA_TEST_PAUSE_BEFORE_RENAME", "").partition(":")
+    if at and int(at) == step:
+        print("checkpoint: files written, pausing before the rename", flush=True)
+        time.sleep(float(seconds))
+
+
+def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+         keep_last: int = 0) -> Path:
+    """A synchronous save (see ``Checkpointer``)."""
+    return Checkpointer(root, keep_last).save(step, tensors, meta)
 
 
 def latest(root: str | Path) -> Path | None:
@@ -70,24 +170,58 @@ def latest(root: str | Path) -> Path | None:
     if not pointer.is_file():
         return None
     target = Path(root) / pointer.read_text().strip()
-    if not (target / ".metadata").is_file():
-        raise CheckpointError(f"{pointer} names {target.name}, which has no DCP .metadata file: the checkpoint is "
-                              f"incomplete or was moved; point 'latest' at a complete step_* directory")
+    if not target.is_dir():
+        raise CheckpointError(f"{pointer} names {target.name}, which does not exist: the checkpoint was moved or "
+                              f"deleted; point 'latest' at a complete step_* directory")
     return target
 
 
-def load(path: str | Path, template: dict[str, Any]) -> dict[str, Any]:
-    """Load the checkpoint at ``path`` into ``template`` (tensors filled in place, plain
-    values replaced) and return it. Tensors in the template decide shapes and placements,
-    so a checkpoint loads onto another mesh (DCP reshards)."""
+def resolve(path: str | Path) -> Path | None:
+    """A checkpoint directory from ``--load``: a root (its ``latest``), or one step directory."""
+    p = Path(path)
+    if (p / META).is_file() or (p / ".metadata").is_file():
+        return p
+    return latest(p)
+
+
+def check(path: Path) -> dict[str, Any]:
+    """Verify a checkpoint before loading it and return its meta. Every rank takes part:
+    rank 0 checks every file against the manifest (one shared filesystem), and all ranks
+    raise if any found a problem, so no rank is left waiting in a collective."""
+    error = ""
+    try:
+        meta = read_meta(path)
+        verify(path) if _rank() == 0 or not _distributed() else None
+    except CheckpointError as e:
+        error, meta = str(e), {}
+    if _distributed():
+        flags = torch.tensor([1.0 if error else 0.0])
+        dist.all_reduce(flags)
+        if flags.item() and not error:
+            error = f"another rank found checkpoint {path} damaged (see its error)"
+    if error:
+        raise CheckpointError(error)
+    return meta
+
+
+def saved_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Global shape of every tensor in the checkpoint, from its (safely read) metadata."""
+    metadata = SafeReader(str(path)).read_metadata()
+    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size")}
+
+
+def load(path: str | Path, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Load the checkpoint at ``path`` into ``template`` (a flat dict of tensors, filled in
+    place). Tensors in the template decide shapes and placements, so a checkpoint loads
+    onto another mesh (DCP reshards). Call ``check`` first."""
     path = Path(path)
-    if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path} is not a complete checkpoint (no .metadata file)")
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             with torch.no_grad():  # parameters are leaves that require grad; loading overwrites them
-                dcp.load(template, checkpoint_id=str(path), no_dist=_single_process())
+                dcp.load(template, storage_reader=SafeReader(str(path)), no_dist=not _distributed())
+    except CheckpointError:
+        raise
     except Exception as e:  # DCP raises many types; name the checkpoint and the cause
         raise CheckpointError(f"could not load checkpoint {path}: {type(e).__name__}: {e}") from e
     return template

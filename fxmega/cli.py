@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from fxmega.config import RunConfig, load, override
-from fxmega.errors import FxmegaError
+from fxmega.errors import ConfigError, FxmegaError
 
 # flag -> config key it sets
 FLAG_KEYS = {
@@ -30,6 +30,7 @@ FLAG_KEYS = {
     "--save": "train.save_dir",
     "--save-interval": "train.save_interval",
     "--load": "train.load_dir",
+    "--keep-last": "train.keep_last",
     "--device": "train.device",
     "--sample-tokens": "train.sample_tokens",
     "--lr": "optim.lr",
@@ -58,9 +59,14 @@ FLAG_KEYS = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="run.py", description="Train (default) or inspect a model described by a Python config file.")
-    parser.add_argument("command", nargs="?", default="train", choices=["train", "summary"],
-                        help="train (default), or summary: print the model summary and exit")
-    parser.add_argument("--config", required=True, help="Python config file setting `config = RunConfig(...)`")
+    parser.add_argument("command", nargs="?", default="train", choices=["train", "summary", "convert"],
+                        help="train (default); summary: print the model summary and exit; convert: Hugging Face "
+                             "<-> fxmega checkpoints (--from-hf DIR --save CKPT, or --load CKPT --to-hf DIR)")
+    parser.add_argument("--config", help="Python config file setting `config = RunConfig(...)`")
+    parser.add_argument("--from-hf", metavar="DIR", help="convert: a Hugging Face model directory to import")
+    parser.add_argument("--to-hf", metavar="DIR", help="convert: write the --load checkpoint as a Hugging Face model")
+    parser.add_argument("--from-orbax", metavar="DIR", help="convert: an orbax export (run.py convert --to-orbax)")
+    parser.add_argument("--to-orbax", metavar="DIR", help="convert: write the --load checkpoint as an orbax pytree")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config key, e.g. --set train.lr=3e-4 (repeatable)")
     parser.add_argument("--summary", action="store_true", help="print the model summary from specs alone and exit")
@@ -69,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="split the residual stream along the sequence over tp (Megatron's sequence parallelism)")
+    parser.add_argument("--async-save", action="store_true", help="write checkpoints in a background thread")
+    parser.add_argument("--finetune", action="store_true",
+                        help="with --load: take only the parameters; optimizer and step start fresh")
     parser.add_argument("--explain", action="store_true",
                         help="print the sharding plan for --mesh (any size, no processes started) and exit")
     parser.add_argument("--data-path", nargs="+", metavar="[WEIGHT] PREFIX",
@@ -90,6 +99,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         assignments.append("train.compile=false")
     if args.sequence_parallel:
         assignments.append("parallel.sequence_parallel=true")
+    if args.async_save:
+        assignments.append("train.async_save=true")
+    if args.finetune:
+        assignments.append("train.finetune=true")
     return override(cfg, assignments + args.overrides)
 
 
@@ -97,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "convert":
+            return _convert(args)
+        if not args.config:
+            raise ConfigError("--config is required: a Python config file, e.g. --config configs/tiny_gpt.py")
         cfg = config_from_args(args)
         if args.summary or args.command == "summary":
             from fxmega.summary import summary
@@ -117,6 +134,49 @@ def main(argv: list[str] | None = None) -> int:
     except FxmegaError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from fxmega import convert
+    from fxmega.init import count_params
+    from fxmega.models import family_name, model_for
+
+    save, load = getattr(args, "flag:--save"), getattr(args, "flag:--load")
+    source = args.from_hf or args.from_orbax
+    if source:
+        if not save:
+            raise ConfigError("convert --from-hf/--from-orbax DIR needs --save CKPT: where to write the checkpoint")
+        if args.from_hf:
+            family, cfg, params = convert.from_hf(source)
+        else:
+            from fxmega.orbax_io import from_orbax
+
+            family, cfg, params = from_orbax(source)
+        path = convert.save_params(save, family, cfg, params, str(source))
+        print(f"wrote {path}: {family}, {count_params(model_for(cfg).param_specs(cfg)):,} parameters (parameters "
+              f"only; train from it with --load {save} and a config whose model is:)\n  {cfg!r}")
+        return 0
+    target = args.to_hf or args.to_orbax
+    if target:
+        if not (load and args.config):
+            raise ConfigError("convert --to-hf/--to-orbax DIR needs --load CKPT and the --config it was trained with")
+        from fxmega.train import Run
+
+        cfg = override(config_from_args(args), ["data.source=mock", "train.compile=false", "train.device=cpu",
+                                                "train.load_dir="])
+        run = Run(cfg)
+        if not run.resume(load, params_only=True):
+            raise ConfigError(f"--load {load}: no checkpoint there")
+        if args.to_hf:
+            path = convert.to_hf(family_name(cfg.model), cfg.model, run.params, target)
+            print(f"wrote {path} (config.json, model.safetensors): loads with transformers' from_pretrained")
+        else:
+            from fxmega.orbax_io import to_orbax
+
+            path = to_orbax(family_name(cfg.model), cfg.model, run.params, target)
+            print(f"wrote {path} (fxmega_model.json, params/): restores with orbax StandardCheckpointer")
+        return 0
+    raise ConfigError("convert needs --from-hf/--from-orbax DIR --save CKPT, or --load CKPT --to-hf/--to-orbax DIR")
 
 
 def _train(cfg: RunConfig, argv: list[str], progress: bool) -> int:

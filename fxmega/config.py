@@ -40,7 +40,10 @@ class TrainConfig:
     tensorboard_dir: str = ""  # TensorBoard event files, when set and tensorboard is installed
     save_dir: str = ""  # checkpoints (Megatron: --save); empty: do not save
     save_interval: int = 0  # steps between checkpoints; 0 saves at the end only
-    load_dir: str = ""  # resume from the latest checkpoint here (Megatron: --load)
+    load_dir: str = ""  # resume from the latest checkpoint here, or this step directory (Megatron: --load)
+    finetune: bool = False  # --load only the parameters; optimizer and step start fresh (Megatron: --finetune)
+    keep_last: int = 0  # keep only the newest K checkpoints; 0 keeps all
+    async_save: bool = False  # write checkpoints in a background thread while training continues
     sample_tokens: int = 0  # tokens to generate after training
     sample_prompt: str = "\n"
     peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 looks it up or measures it
@@ -217,7 +220,7 @@ def _validate(cfg: RunConfig, dp: int) -> None:
     t, o, d = cfg.train, cfg.optim, cfg.data
     for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len", "eval_iters", "log_interval"):
         _require(getattr(t, name) > 0, f"train.{name}={getattr(t, name)} must be positive")
-    for name in ("eval_interval", "save_interval", "sample_tokens"):
+    for name in ("eval_interval", "save_interval", "sample_tokens", "keep_last"):
         _require(getattr(t, name) >= 0, f"train.{name}={getattr(t, name)} must be zero or positive")
     _require(t.seq_len <= cfg.model.max_seq_len,
              f"train.seq_len={t.seq_len} is longer than model.max_seq_len={cfg.model.max_seq_len}: "

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from fxmega import checkpoint, tree
-from fxmega.config import RunConfig, to_dict
+from fxmega import checkpoint, run_state, tree
+from fxmega.config import RunConfig
 from fxmega.data.batches import micro_batches
 from fxmega.data.sources import build_data
 from fxmega.errors import ConfigError
@@ -68,6 +69,7 @@ class Run:
             self.opt_state = parallel.init_opt_state(self.device)
             loss_sum = parallel.loss_sum_fn(cfg.model)
         self.step = 0  # optimizer steps taken
+        self._checkpointer: checkpoint.Checkpointer | None = None
         if self.pipelined:
             from fxmega.pipeline_step import PipelineStep
 
@@ -143,42 +145,33 @@ class Run:
         merged = {p: t for part in everyone for p, t in part.items()}
         return tree.map_with_path(lambda path, _: merged[path].to(self.device), self.specs)
 
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint holds. The data position is the step: batches are a function of
-        it (consumed samples = step x global batch, recorded with the data it indexes).
-        Sharded runs save DTensors, so each rank writes only its shards."""
-        params, opt = self.params, self.opt_state
-        par = self.parallel
-        moments = {k: opt[k] for k in ("exp_avg", "exp_avg_sq")}
-        if par is not None:
-            params = tree.unflatten_like(self.local_specs, [par.as_dtensor(p, lay) for p, lay in
-                                                            zip(tree.leaves(params), par.layouts)])
-            moments = {k: [par.as_dtensor(m, lay, "opt") for m, lay in zip(v, par.layouts)] for k, v in moments.items()}
-        # moments keyed by parameter path, not list position: under pp each rank holds a
-        # different list, and the same position would name different tensors
-        opt = {"step": opt["step"], **{k: dict(zip(tree.paths(self.local_specs), v)) for k, v in moments.items()}}
-        meta = {"step": self.step, "consumed_samples": self.step * self.cfg.train.global_batch_size,
-                "data": self.data.description, "config": str(to_dict(self.cfg))}
-        return {"params": params, "opt": opt, "meta": meta}
-
     def save(self, root: str) -> str:
-        return str(checkpoint.save(root, self.step, self.state()))
+        """Save a checkpoint of this step under ``root`` (asynchronously with
+        ``train.async_save``: it is finished by the next save or ``finish_saves``)."""
+        t = self.cfg.train
+        if self._checkpointer is None or self._checkpointer.root != Path(root):
+            self._checkpointer = checkpoint.Checkpointer(root, t.keep_last, t.async_save)
+        return str(self._checkpointer.save(self.step, run_state.tensors(self), run_state.meta(self)))
 
-    def resume(self, root: str) -> bool:
-        """Load the latest checkpoint under ``root`` if there is one (into this rank's shards)."""
-        path = checkpoint.latest(root)
-        if path is None:
+    def finish_saves(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+
+    def resume(self, path: str, params_only: bool = False) -> bool:
+        """Load a checkpoint (a root's latest, or a step directory) into this rank's shards,
+        from whatever mesh saved it. False if the root holds none yet."""
+        found = checkpoint.resolve(path)
+        if found is None:
             return False
-        template = self.state()
-        template["meta"] = {"step": 0, "data": ""}
-        state = checkpoint.load(path, template)
-        self.step = int(state["meta"]["step"])
-        self.opt_state["step"].copy_(state["opt"]["step"])
+        info = run_state.load_into(self, found, params_only)
         if self.parallel is None or self.parallel.rank == 0:
-            print(f"resumed from {path} at step {self.step}")
-            if state["meta"]["data"] != self.data.description:  # said, not silently continued
-                print(f"warning: the checkpoint was trained on {state['meta']['data']}; this run reads "
-                      f"{self.data.description}, from sample {self.step * self.cfg.train.global_batch_size:,}")
+            if info.get("params_only") or params_only:
+                print(f"initialised the parameters from {found} (optimizer and step start fresh)")
+            else:
+                print(f"resumed from {found} at step {self.step}")
+                if info.get("data") != self.data.description:  # said, not silently continued
+                    print(f"warning: the checkpoint was trained on {info.get('data')}; this run reads "
+                          f"{self.data.description}, from sample {self.step * self.cfg.train.global_batch_size:,}")
         return True
 
     def sample(self, n_tokens: int, prompt: str, seed: int) -> str:
@@ -211,7 +204,7 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
     say = print if main else (lambda *a, **k: None)
     t = cfg.train
     if t.load_dir:
-        run.resume(t.load_dir)
+        run.resume(t.load_dir, params_only=t.finetune)
     flops = model_flops_per_token(run.specs, cfg.model, t.seq_len)
     peak = device_peak(run.device, torch.float32, t.peak_flops)
     say(f"model: {family_name(cfg.model)}, {count_params(run.specs):,} parameters, {flops / 1e6:,.1f} MFLOPs/token; "
@@ -256,6 +249,7 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
             result.checkpoint = run.save(t.save_dir)
             echo(f"step {step}: saved checkpoint {result.checkpoint}")
     bar.close()
+    run.finish_saves()
     log.close()
     if t.sample_tokens and run.tokenizer is not None:
         result.sample = run.sample(t.sample_tokens, t.sample_prompt, t.seed)

@@ -1,0 +1,134 @@
+"""Hugging Face ⇄ fxmega, for GPT-2 and Llama: ``from_hf(dir)`` reads a local model
+directory (``config.json`` + safetensors, one file or an index of shards) and ``to_hf``
+writes one that ``transformers`` loads. The tensor renaming lives in ``hf_layout``; this
+module maps the configs and does the file work.
+
+    python run.py convert --from-hf ~/models/gpt2 --save ckpt/gpt2          # -> fxmega checkpoint
+    python run.py convert --config configs/gpt2_124m.py --load ckpt/run --to-hf out/gpt2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fxmega import hf_layout, tree
+from fxmega.errors import CheckpointError, ConfigError
+from fxmega.models import gpt, llama
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} has no config.json: give a Hugging Face model directory") from None
+    except ValueError as e:
+        raise CheckpointError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{path} has no model.safetensors (or an index of shards); fxmega reads safetensors "
+                              f"only, never pickled .bin files: re-save the model with safe_serialization=True")
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        out |= load_file(str(path / name))
+    return out
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def config_from_hf(hf: dict[str, Any]) -> tuple[str, gpt.Config | llama.Config]:
+    kind = hf.get("model_type")
+    if kind == "gpt2":
+        _require(hf.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
+                 f"GPT-2 activation {hf.get('activation_function')!r}: fxmega's GPT uses the tanh GELU (gelu_new)")
+        return "gpt", gpt.Config(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"], d_model=hf["n_embd"],
+                                 n_layers=hf["n_layer"], n_heads=hf["n_head"], d_ff=hf.get("n_inner") or 0,
+                                 norm_eps=hf.get("layer_norm_epsilon", 1e-5))
+    if kind == "llama":
+        # transformers >= 5 keeps RoPE settings in rope_parameters; older files at the top level
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        _require(not scaling, f"Llama RoPE scaling {scaling} is not implemented in fxmega (plain RoPE only)")
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        _require(hf.get("hidden_act", "silu") == "silu" and not hf.get("attention_bias") and not hf.get("mlp_bias"),
+                 "this Llama variant (activation or biases) differs from fxmega's Llama")
+        d, h = hf["hidden_size"], hf["num_attention_heads"]
+        _require(hf.get("head_dim") in (None, d // h), f"head_dim {hf.get('head_dim')} != hidden_size / heads")
+        return "llama", llama.Config(
+            vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 4096), d_model=d,
+            n_layers=hf["num_hidden_layers"], n_heads=h, n_kv_heads=hf.get("num_key_value_heads") or h,
+            d_ff=hf["intermediate_size"], rope_theta=theta,
+            norm_eps=hf.get("rms_norm_eps", 1e-5))
+    raise ConfigError(f"Hugging Face model_type {kind!r}: fxmega converts gpt2 and llama")
+
+
+def config_to_hf(family: str, cfg: gpt.Config | llama.Config, dtype: torch.dtype) -> dict[str, Any]:
+    torch_dtype = str(dtype).removeprefix("torch.")
+    if family == "gpt":
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
+                "n_positions": cfg.max_seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
+                "n_inner": cfg.d_ff or None, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
+                "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True,
+                "torch_dtype": torch_dtype}
+    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_seq_len, "hidden_size": cfg.d_model,
+            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.kv_heads, "intermediate_size": cfg.d_ff, "rope_theta": cfg.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "tie_word_embeddings": False,
+            "attention_bias": False, "mlp_bias": False, "torch_dtype": torch_dtype}
+
+
+def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[str, Any, dict]:
+    """(family, Config, parameter tree) from a local Hugging Face model directory."""
+    path = Path(path)
+    family, cfg = config_from_hf(_read_config(path))
+    sd = {k: v.to(dtype) for k, v in _read_tensors(path).items()}
+    try:
+        params = hf_layout.gpt2_from_hf(sd, cfg) if family == "gpt" else hf_layout.llama_from_hf(sd, cfg)
+    except KeyError as e:
+        raise CheckpointError(f"{path}: tensor {e} is missing for a {family} model with {cfg.n_layers} "
+                              f"layers") from None
+    return family, cfg, params
+
+
+def to_hf(family: str, cfg: Any, params: dict, path: str | Path) -> Path:
+    """Write ``params`` as a Hugging Face model directory (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    params = tree.map_leaves(lambda t: t.detach().cpu(), params)
+    sd = hf_layout.gpt2_to_hf(params, cfg) if family == "gpt" else hf_layout.llama_to_hf(params, cfg)
+    if family == "gpt":
+        sd.pop("lm_head.weight")  # tied to wte: transformers re-ties it on load
+    dtype = next(iter(sd.values())).dtype
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(config_to_hf(family, cfg, dtype), indent=2))
+    return path
+
+
+def save_params(root: str | Path, family: str, cfg: Any, params: dict, source: str) -> Path:
+    """A parameters-only fxmega checkpoint (step 0) that ``--load`` initialises a run from."""
+    from fxmega import checkpoint
+
+    tensors = {f"params.{p}": t.detach().to(torch.float32).contiguous() for p, t in tree.items(params)}
+    meta = {"format": 1, "step": 0, "params_only": True, "model_family": family, "source": source,
+            "config": {"model": dataclasses.asdict(cfg)}}
+    return checkpoint.save(root, 0, tensors, meta)

@@ -1,0 +1,45 @@
+"""Code that runs inside the ranks of the checkpoint tests (see multirank.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fxmega.config import ParallelConfig
+from fxmega.sharding import distributed
+from fxmega.sharding.mesh import MeshSpec
+from fxmega.train import Run
+from tests.pipeline_workers import FOUR_BLOCKS
+from tests.sharding_workers import tiny_config
+
+EXTRA = FOUR_BLOCKS + ("train.micro_batch_size=2", "train.steps=6")
+
+
+def config(parallel: dict | None):
+    cfg = tiny_config(compile=False, extra=EXTRA)
+    return cfg if parallel is None else dataclasses.replace(cfg, parallel=ParallelConfig(**parallel))
+
+
+def _run(parallel: dict):
+    cfg = config(parallel)
+    par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
+    return Run(cfg, par, device)
+
+
+def save_then_load(save_on: dict | None, root: str, save_at: int, load_on: dict | None = None) -> dict | None:
+    """Train 6 steps on ``save_on``, saving at ``save_at``; then, if ``load_on`` is given,
+    a fresh run on that mesh loads the checkpoint and trains to step 6."""
+    out = {}
+    if save_on is not None:
+        run = _run(save_on)
+        out["saved_run"] = []
+        for step in range(6):
+            out["saved_run"].append(run.do_step()["loss"])
+            if step + 1 == save_at:
+                run.save(root)
+    if load_on is not None:
+        run = _run(load_on)
+        assert run.resume(root) and run.step == save_at
+        out["loaded_run"] = [run.do_step()["loss"] for _ in range(6 - save_at)]
+    return out if torch.distributed.get_rank() == 0 else None

@@ -1,0 +1,196 @@
+"""Checkpoints: exact resume in a new process, atomic saves that survive SIGKILL, clear
+errors for damaged files, no unsafe unpickling, retention, asynchronous saves, and
+loading onto another mesh (dp2×tp2 → 1, tp2×pp2 → dp4, 1 → tp2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fxmega import checkpoint, tree
+from fxmega.checkpoint_files import MANIFEST, digests, write_manifest
+from fxmega.cli import main
+from fxmega.config import override
+from fxmega.errors import CheckpointError
+from fxmega.train import Run
+from tests.checkpoint_workers import config
+from tests.conftest import ROOT
+from tests.multirank import run_ranks
+
+SHAKESPEARE = ["--set", "data.source=shakespeare", "--set", f"data.data_dir={ROOT / 'data'}"]
+CLI = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), *SHAKESPEARE, "--no-compile", "--no-progress",
+       "--steps", "6", "--log-interval", "1"]
+
+
+def _losses(path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, open(path))}
+
+
+def _cli(args: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, **kw)
+
+
+def test_resume_in_a_new_process_continues_bit_identically(tmp_path):
+    straight, resumed = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"
+    assert main([*CLI, "--save", str(tmp_path / "ckpt"), "--save-interval", "3", "--log-jsonl", str(straight)]) == 0
+    proc = _cli([*CLI, "--load", str(tmp_path / "ckpt" / "step_00000003"), "--log-jsonl", str(resumed)])
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out and "at step 3" in out
+    a, b = _losses(straight), _losses(resumed)
+    assert sorted(b) == [4, 5, 6] and all(a[s] == b[s] for s in b)  # bitwise: same data order, same state
+
+
+@pytest.fixture
+def saved(tmp_path, tiny_gpt):
+    run = Run(override(tiny_gpt, ["train.compile=false"]))
+    for _ in range(2):
+        run.do_step()
+        run.save(str(tmp_path / "ckpt"))
+    return tmp_path / "ckpt", run
+
+
+def test_a_save_killed_before_its_rename_leaves_the_last_checkpoint_loadable(tmp_path):
+    root = tmp_path / "ckpt"
+    proc = _cli([*CLI, "--save", str(root), "--save-interval", "2"],
+                env={"FXMEGA_TEST_PAUSE_BEFORE_RENAME": "4:60"})
+    deadline = time.monotonic() + 240
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        if "pausing before the rename" in line:
+            break
+    else:
+        proc.kill()
+        pytest.fail("the save never reached the pause:\n" + "".join(lines[-30:]))
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert (root / ".tmp_step_00000004").is_dir()  # the killed save, never renamed
+    assert checkpoint.latest(root).name == "step_00000002"
+    run = Run(override(_tiny(), ["data.source=shakespeare", f"data.data_dir={ROOT / 'data'}"]))
+    assert run.resume(str(root)) and run.step == 2
+
+
+def _tiny():
+    from fxmega.config import load
+
+    return override(load(ROOT / "configs" / "tiny_gpt.py"), ["train.compile=false"])
+
+
+def test_damaged_checkpoints_are_clear_errors(saved):
+    root, run = saved
+    step = checkpoint.latest(root)
+    data = next(step.glob("__0_*.distcp"))
+    original = data.read_bytes()
+    fresh = Run(_tiny())
+
+    data.write_bytes(original[:-100])
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp has [\d,]+ bytes, the manifest says .*truncated"):
+        fresh.resume(str(root))
+    data.write_bytes(original[:50] + bytes([original[50] ^ 0xFF]) + original[51:])
+    with pytest.raises(CheckpointError, match="fails its CRC-32 check"):
+        fresh.resume(str(root))
+    data.unlink()
+    with pytest.raises(CheckpointError, match="__0_0.distcp is missing"):
+        fresh.resume(str(root))
+    data.write_bytes(original)
+    (step / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match="has no manifest.json: it is not a complete fxmega checkpoint"):
+        fresh.resume(str(root))
+
+
+class _Exploit:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_metadata_that_names_foreign_code_is_refused(saved):
+    root, _ = saved
+    step = checkpoint.latest(root)
+    (step / ".metadata").write_bytes(pickle.dumps(_Exploit()))
+    names = json.loads((step / MANIFEST).read_text())["files"]
+    write_manifest(step, digests(step, sorted(names)))  # the attacker also fixes the manifest
+    with pytest.raises(CheckpointError, match=r"refers to (posix|os)\.system, which DCP never writes"):
+        Run(_tiny()).resume(str(root))
+
+
+def test_keep_last_retires_old_checkpoints(tmp_path):
+    run = Run(_tiny())
+    run.cfg = override(run.cfg, ["train.keep_last=2"])
+    for _ in range(4):
+        run.do_step()
+        run.save(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000003", "step_00000004"]
+    assert checkpoint.latest(tmp_path).name == "step_00000004"
+
+
+def test_async_save_writes_the_same_checkpoint(tmp_path):
+    runs = {}
+    for mode in ("sync", "async"):
+        run = Run(override(_tiny(), [f"train.async_save={mode == 'async'}"]))
+        for _ in range(3):
+            run.do_step()
+            run.save(str(tmp_path / mode))
+            run.do_step()  # training goes on while the async save is written
+        run.finish_saves()
+        runs[mode] = Run(_tiny())
+        assert runs[mode].resume(str(tmp_path / mode)) and runs[mode].step == 5
+    for a, b in zip(tree.leaves(runs["sync"].params), tree.leaves(runs["async"].params)):
+        assert torch.equal(a, b)
+    assert runs["sync"].do_step()["loss"] == runs["async"].do_step()["loss"]
+
+
+def test_params_only_load_starts_the_optimizer_fresh(saved):
+    root, trained = saved
+    run = Run(_tiny())
+    assert run.resume(str(root), params_only=True) and run.step == 0
+    assert all(torch.equal(a, b) for a, b in zip(tree.leaves(run.params), tree.leaves(trained.params)))
+    assert float(run.opt_state["step"]) == 0 and all(float(m.abs().sum()) == 0 for m in run.opt_state["exp_avg"])
+
+
+def test_a_checkpoint_of_another_model_is_a_clear_error(saved):
+    root, _ = saved
+    with pytest.raises(CheckpointError, match=r"has shape \[64, 64\], this model's is \[64, 32\]|different model"):
+        Run(override(_tiny(), ["model.d_model=32"])).resume(str(root))
+
+
+# -- loading onto another mesh --------------------------------------------------------------
+def _single(root=None, save_at: int = 3) -> list[float]:
+    run = Run(config(None))
+    if root is not None:
+        assert run.resume(str(root)) and run.step == save_at
+        return [run.do_step()["loss"] for _ in range(6 - save_at)]
+    return [run.do_step()["loss"] for _ in range(6)]
+
+
+def test_dp2_tp2_checkpoint_continues_on_one_device(tmp_path):
+    r = run_ranks(4, "tests.checkpoint_workers:save_then_load", dict(mesh="dp=2,tp=2", rules="zero1"),
+                  str(tmp_path), 3)[0]
+    torch.testing.assert_close(_single(tmp_path), r["saved_run"][3:], rtol=1e-5, atol=0)
+
+
+def test_tp2_pp2_checkpoint_continues_on_dp4(tmp_path):
+    r = run_ranks(4, "tests.checkpoint_workers:save_then_load", dict(mesh="tp=2,pp=2", sequence_parallel=True),
+                  str(tmp_path), 3, dict(mesh="dp=4", rules="zero1"))[0]
+    torch.testing.assert_close(r["loaded_run"], r["saved_run"][3:], rtol=1e-5, atol=0)
+
+
+def test_single_device_checkpoint_continues_on_tp2(tmp_path):
+    run = Run(config(None))
+    straight = []
+    for step in range(6):
+        straight.append(run.do_step()["loss"])
+        if step == 2:
+            run.save(str(tmp_path))
+    r = run_ranks(2, "tests.checkpoint_workers:save_then_load", None, str(tmp_path), 3, dict(mesh="tp=2"))[0]
+    torch.testing.assert_close(r["loaded_run"], straight[3:], rtol=1e-5, atol=0)
