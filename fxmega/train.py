@@ -203,8 +203,8 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
     world = 1 if parallel is None else parallel.spec.world_size
     say = print if main else (lambda *a, **k: None)
     t = cfg.train
-    if t.load_dir:
-        run.resume(t.load_dir, params_only=t.finetune)
+    if t.load_dir and not run.resume(t.load_dir, params_only=t.finetune):
+        say(f"no checkpoint under {t.load_dir} yet: starting from step 0")
     flops = model_flops_per_token(run.specs, cfg.model, t.seq_len)
     peak = device_peak(run.device, torch.float32, t.peak_flops)
     say(f"model: {family_name(cfg.model)}, {count_params(run.specs):,} parameters, {flops / 1e6:,.1f} MFLOPs/token; "
