@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from fxmega import checkpoint, run_state, tree
+from fxmega import checkpoint, faults, run_state, tree
 from fxmega.config import RunConfig
 from fxmega.data.batches import micro_batches
 from fxmega.data.sources import build_data
@@ -227,6 +227,7 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
         m = run.do_step()  # float() of the loss waits for the step to finish
         seconds = time.perf_counter() - t0
         step = run.step
+        faults.maybe_kill(0 if parallel is None else parallel.rank, step)
         first = step == first_step + 1
         rates = meter.step(0 if first else tokens_per_step, seconds)  # compilation is not throughput
         record = {"step": step, **m, "step_time_s": seconds, **rates}

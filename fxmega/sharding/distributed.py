@@ -54,7 +54,16 @@ def init(mesh: MeshSpec, timeout_s: int, device_type: str | None = None):
         backend = "nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt == "0":
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            # a restarted group meets in the same store as the attempt that died; without a
+            # fresh key prefix its ranks can read the dead attempt's addresses and wait forever
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+            dist.init_process_group(backend, store=dist.PrefixStore(f"fxmega/attempt{attempt}", store), rank=rank,
+                                    world_size=world, timeout=timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     check_world_size(mesh, world, " ".join(["run.py", *sys.argv[1:]]))
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
