@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fxmega.checkpoint_files import META, SafeReader, digests, read_meta, verify, write_manifest
 from fxmega.errors import CheckpointError
@@ -93,7 +94,12 @@ class Checkpointer:
                 summed = self._pool.submit(lambda: (written.result(), _my_digests(tmp, rank))[1])
                 self._pending = (summed, tmp, step, meta)
             else:
-                dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
+                try:
+                    dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
+                except (Exception, CheckpointException) as e:  # a full disk, a lost mount, ...
+                    raise CheckpointError(f"saving step {step} into {tmp} failed ({type(e).__name__}: "
+                                          f"{_first_line(e)}); the previous checkpoint and 'latest' are "
+                                          f"untouched") from e
                 self._finish(tmp, step, meta)
         self.blocked_s += time.perf_counter() - t0
         return final
@@ -136,6 +142,12 @@ class Checkpointer:
         steps = sorted(p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX))
         for old in steps[:-self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def _first_line(e: BaseException) -> str:
+    # DCP's messages carry whole per-rank tracebacks; the last line says what happened
+    lines = [x for x in str(e).strip().splitlines() if x.strip()]
+    return lines[-1][:400] if lines else type(e).__name__
 
 
 def _my_digests(tmp: Path, rank: int) -> dict[str, dict[str, int]]:
@@ -222,6 +234,6 @@ def load(path: str | Path, template: dict[str, torch.Tensor]) -> dict[str, torch
                 dcp.load(template, storage_reader=SafeReader(str(path)), no_dist=not _distributed())
     except CheckpointError:
         raise
-    except Exception as e:  # DCP raises many types; name the checkpoint and the cause
-        raise CheckpointError(f"could not load checkpoint {path}: {type(e).__name__}: {e}") from e
+    except (Exception, CheckpointException) as e:  # DCP's own exception derives from BaseException
+        raise CheckpointError(f"could not load checkpoint {path}: {type(e).__name__}: {_first_line(e)}") from e
     return template

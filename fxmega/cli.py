@@ -9,6 +9,7 @@ Errors that fxmega raises on purpose are printed as one message, not a traceback
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from fxmega.config import RunConfig, load, override
@@ -31,6 +32,7 @@ FLAG_KEYS = {
     "--save-interval": "train.save_interval",
     "--load": "train.load_dir",
     "--keep-last": "train.keep_last",
+    "--on-nonfinite": "train.nonfinite",
     "--device": "train.device",
     "--sample-tokens": "train.sample_tokens",
     "--lr": "optim.lr",
@@ -76,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="split the residual stream along the sequence over tp (Megatron's sequence parallelism)")
     parser.add_argument("--async-save", action="store_true", help="write checkpoints in a background thread")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic kernels: the same seed and mesh give bitwise the same run")
     parser.add_argument("--finetune", action="store_true",
                         help="with --load: take only the parameters; optimizer and step start fresh")
     parser.add_argument("--explain", action="store_true",
@@ -101,6 +105,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         assignments.append("parallel.sequence_parallel=true")
     if args.async_save:
         assignments.append("train.async_save=true")
+    if args.deterministic:
+        assignments.append("train.deterministic=true")
     if args.finetune:
         assignments.append("train.finetune=true")
     return override(cfg, assignments + args.overrides)
@@ -114,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             return _convert(args)
         if not args.config:
             raise ConfigError("--config is required: a Python config file, e.g. --config configs/tiny_gpt.py")
-        cfg = config_from_args(args)
+        cfg = config_from_args(args).validate(None)  # before any spec or plan is built from it
         if args.summary or args.command == "summary":
             from fxmega.summary import summary
 
@@ -193,6 +199,11 @@ def _train(cfg: RunConfig, argv: list[str], progress: bool) -> int:
     parallel, device = distributed.setup(cfg, mesh)
     try:
         train(cfg, progress=progress, parallel=parallel, device=device)
-    finally:
-        distributed.shutdown()
+    except FxmegaError as e:
+        # the group may be broken (a timed-out collective closes gloo's connections): no
+        # barrier, no teardown that could hang; say what happened and leave
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(2)
+    distributed.shutdown()
     return 0

@@ -38,11 +38,19 @@ class TrainConfig:
     log_interval: int = 10
     log_jsonl: str = ""  # one JSON object per step, when set
     tensorboard_dir: str = ""  # TensorBoard event files, when set and tensorboard is installed
+    wandb_project: str = ""  # log to Weights & Biases (offline unless WANDB_MODE says otherwise)
+    mlflow_uri: str = ""  # log to MLflow at this tracking URI (an http server, sqlite:///..., file:...)
+    mlflow_experiment: str = ""  # default: the run's name
+    tracking_dir: str = "runs/tracking"  # where offline trackers keep their files
     save_dir: str = ""  # checkpoints (Megatron: --save); empty: do not save
     save_interval: int = 0  # steps between checkpoints; 0 saves at the end only
     load_dir: str = ""  # resume from the latest checkpoint here, or this step directory (Megatron: --load)
     finetune: bool = False  # --load only the parameters; optimizer and step start fresh (Megatron: --finetune)
     keep_last: int = 0  # keep only the newest K checkpoints; 0 keeps all
+    deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms; on CUDA also cuBLAS)
+    nonfinite: str = "stop"  # a NaN/Inf loss or gradient: stop (with diagnostics) | skip (drop the update, go on)
+    diagnostics_dir: str = "runs/diagnostics"  # where a stop writes what went wrong
+    spike_z: float = 6.0  # warn when a loss is this many std above the last 50 steps' mean; 0: off
     async_save: bool = False  # write checkpoints in a background thread while training continues
     sample_tokens: int = 0  # tokens to generate after training
     sample_prompt: str = "\n"
@@ -105,7 +113,9 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     name: str = "run"
 
-    def validate(self, data_parallel_size: int = 1) -> RunConfig:
+    def validate(self, data_parallel_size: int | None = 1) -> RunConfig:
+        """Every check; ``None`` skips the one that needs the mesh (batch divisibility), for
+        checking a config before a plan is made from it."""
         _validate(self, data_parallel_size)
         return self
 
@@ -213,7 +223,7 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _validate(cfg: RunConfig, dp: int) -> None:
+def _validate(cfg: RunConfig, dp: int | None) -> None:
     if not isinstance(cfg.model, (gpt.Config, llama.Config)):
         raise ConfigError(f"model must be a gpt.Config or llama.Config, got {type(cfg.model).__name__}")
     cfg.model.validate("model")
@@ -225,13 +235,14 @@ def _validate(cfg: RunConfig, dp: int) -> None:
     _require(t.seq_len <= cfg.model.max_seq_len,
              f"train.seq_len={t.seq_len} is longer than model.max_seq_len={cfg.model.max_seq_len}: "
              f"lower train.seq_len or raise model.max_seq_len")
-    per_step = t.micro_batch_size * dp
-    _require(t.global_batch_size % per_step == 0,
+    per_step = t.micro_batch_size * (dp or 1)
+    _require(dp is None or t.global_batch_size % per_step == 0,
              f"train.global_batch_size={t.global_batch_size} is not a multiple of train.micro_batch_size="
              f"{t.micro_batch_size} x data-parallel size {dp} = {per_step}: the global batch is "
              f"micro batch x accumulation steps x data-parallel size; use e.g. "
              f"train.global_batch_size={per_step * max(1, round(t.global_batch_size / per_step))}")
     _require(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: use auto, cpu or cuda")
+    _require(t.nonfinite in ("stop", "skip"), f"train.nonfinite={t.nonfinite!r}: use stop or skip")
     _require(o.schedule in SCHEDULES, f"optim.schedule={o.schedule!r}: use one of {', '.join(SCHEDULES)}")
     _require(o.wsd_decay_style in WSD_DECAY_STYLES,
              f"optim.wsd_decay_style={o.wsd_decay_style!r}: use one of {', '.join(WSD_DECAY_STYLES)}")

@@ -16,3 +16,7 @@ class DataError(FxmegaError):
 
 class CheckpointError(FxmegaError):
     """A checkpoint that is missing, partial, corrupted or does not fit the model."""
+
+
+class NonFiniteError(FxmegaError):
+    """A training step produced a non-finite loss or gradient (policy train.nonfinite=stop)."""

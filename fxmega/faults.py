@@ -22,3 +22,58 @@ def maybe_kill(rank: int, step: int) -> None:
         print(f"fault injection: killing rank {rank} after step {step}", flush=True)
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_poison(step: int, n_tokens):
+    """``FXMEGA_TEST_NAN_AT_STEP=STEP``: step STEP divides its loss by a NaN token count, so
+    its loss and every gradient are NaN (what a corrupted batch or an overflow produces)."""
+    at = os.environ.get("FXMEGA_TEST_NAN_AT_STEP", "")
+    if at and int(at) == step:
+        return n_tokens * float("nan")
+    return n_tokens
+
+
+class SpikeDetector:
+    """Flags a loss more than ``z`` standard deviations above the mean of the last
+    ``window`` losses (after at least ``min_count`` of them): a warning, not an action."""
+
+    def __init__(self, z: float, window: int = 50, min_count: int = 10) -> None:
+        self.z, self.window, self.min_count = z, window, min_count
+        self.history: list[float] = []
+
+    def score(self, loss: float) -> float | None:
+        """The loss' z-score when it is a spike, else None; the loss joins the window."""
+        out = None
+        if self.z > 0 and len(self.history) >= self.min_count:
+            mean = sum(self.history) / len(self.history)
+            std = (sum((x - mean) ** 2 for x in self.history) / len(self.history)) ** 0.5
+            if std > 0 and (loss - mean) / std > self.z:
+                out = (loss - mean) / std
+        self.history = (self.history + [loss])[-self.window:]
+        return out
+
+
+def nonfinite_report(run, metrics: dict, step: int) -> dict:
+    """What a non-finite step looked like on this rank: which local gradients went bad."""
+    import torch
+
+    from fxmega import tree
+
+    bad = metrics["nonfinite_grads"].tolist()
+    paths = [p for p, b in zip(tree.paths(run.local_specs), bad) if b]
+    rank = 0 if run.parallel is None else run.parallel.rank
+    return {"step": step, "rank": rank, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+            "nonfinite_gradients": paths, "torch": torch.__version__}
+
+
+def maybe_stall(rank: int, step: int) -> None:
+    """``FXMEGA_TEST_STALL_AT_STEP=RANK:STEP:SECONDS``: rank RANK sleeps before step STEP,
+    as a rank on a sick host would, so the others' collectives time out."""
+    spec = os.environ.get("FXMEGA_TEST_STALL_AT_STEP", "")
+    if not spec:
+        return
+    at_rank, at_step, seconds = spec.split(":")
+    if int(at_rank) == rank and int(at_step) == step:
+        import time
+
+        time.sleep(float(seconds))

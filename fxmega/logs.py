@@ -1,4 +1,5 @@
-"""Where step metrics go: a JSONL file (one object per step) and TensorBoard event files.
+"""Where step metrics go: a JSONL file (one object per step), TensorBoard event files, and
+optional experiment trackers (``fxmega.tracking``: W&B, MLflow).
 
 Only one rank writes (the caller decides which), so a sharded run's log has the same fields
 and lines as a single-device run's.
@@ -15,9 +16,10 @@ from fxmega.errors import ConfigError
 
 
 class RunLog:
-    def __init__(self, jsonl_path: str = "", tensorboard_dir: str = "") -> None:
+    def __init__(self, jsonl_path: str = "", tensorboard_dir: str = "", sinks: list | None = None) -> None:
         self._jsonl = None
         self._tb = None
+        self._sinks = sinks or []  # experiment trackers (fxmega.tracking)
         if jsonl_path:
             Path(jsonl_path).parent.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(jsonl_path, "a", buffering=1)
@@ -35,6 +37,8 @@ class RunLog:
         """Write one record; ``record['step']`` keys the TensorBoard scalars."""
         if self._jsonl is not None:
             self._jsonl.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
+        for sink in self._sinks:
+            sink.write(record)
         if self._tb is not None:
             step = int(record["step"])
             for key, value in record.items():
@@ -42,6 +46,8 @@ class RunLog:
                     self._tb.add_scalar(key, value, step)
 
     def close(self) -> None:
+        for sink in self._sinks:
+            sink.close()
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:

@@ -51,13 +51,19 @@ def adamw_init(params: list[torch.Tensor]) -> dict:
     }
 
 
+def per_tensor_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of each gradient, in fp32 (a non-finite entry names a bad gradient)."""
+    return torch.stack(torch._foreach_norm([g.float() for g in grads]))
+
+
 def global_norm(grads: list[torch.Tensor], weights: torch.Tensor | None = None,
-                sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                norms: torch.Tensor | None = None) -> torch.Tensor:
     """L2 norm of all gradients taken together, in fp32.
 
     For sharded gradients, ``weights`` (one 0/1 per tensor) keeps each element counted on
     exactly one rank and ``sum_over_ranks`` adds the squared norms of all ranks."""
-    norms = torch.stack(torch._foreach_norm([g.float() for g in grads]))
+    norms = per_tensor_norms(grads) if norms is None else norms
     squares = norms * norms
     if weights is not None:
         squares = squares * weights
@@ -68,10 +74,11 @@ def global_norm(grads: list[torch.Tensor], weights: torch.Tensor | None = None,
 
 
 def clip_by_global_norm_(grads: list[torch.Tensor], max_norm: float, weights: torch.Tensor | None = None,
-                         sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                         sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                         norms: torch.Tensor | None = None) -> torch.Tensor:
     """Scale ``grads`` in place so their global norm is at most ``max_norm`` (0: no clipping).
     Returns the norm before clipping. No data-dependent branch, so it compiles whole."""
-    norm = global_norm(grads, weights, sum_over_ranks)
+    norm = global_norm(grads, weights, sum_over_ranks, norms)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         torch._foreach_mul_(grads, coef.to(grads[0].dtype))
@@ -79,28 +86,36 @@ def clip_by_global_norm_(grads: list[torch.Tensor], max_norm: float, weights: to
 
 
 def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], state: dict,
-                 lr: torch.Tensor, hp: AdamWHyper, decay: list[bool]) -> tuple[list[torch.Tensor], dict]:
+                 lr: torch.Tensor, hp: AdamWHyper, decay: list[bool],
+                 apply: torch.Tensor | None = None) -> tuple[list[torch.Tensor], dict]:
     """One AdamW step with decoupled weight decay on the params where ``decay`` is True.
 
     ``lr`` is a 0-dim tensor so that a changing learning rate does not recompile the step.
-    """
+    ``apply`` (a 0-dim 0./1. tensor) makes the step conditional without a branch: with 0,
+    parameters, moments and the step count are left exactly as they were (the skip of a
+    step whose gradients are not finite; those are zeroed first so that 0 x NaN cannot
+    leak in)."""
     step = state["step"]
-    step.add_(1)
+    if apply is None:
+        apply = torch.ones((), device=step.device)
+    else:
+        grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
+    step.add_(apply)
     decayed = [p for p, d in zip(params, decay) if d]
     if decayed and hp.weight_decay:
-        torch._foreach_mul_(decayed, 1 - lr * hp.weight_decay)
+        torch._foreach_mul_(decayed, 1 - lr * hp.weight_decay * apply)
 
     exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
-    torch._foreach_lerp_(exp_avg, grads, 1 - hp.beta1)
-    torch._foreach_mul_(exp_avg_sq, hp.beta2)
-    torch._foreach_addcmul_(exp_avg_sq, grads, grads, 1 - hp.beta2)
+    torch._foreach_lerp_(exp_avg, grads, (1 - hp.beta1) * apply)
+    torch._foreach_lerp_(exp_avg_sq, torch._foreach_mul(grads, grads), (1 - hp.beta2) * apply)
 
-    bias_correction1 = 1 - hp.beta1 ** step
-    bias_correction2_sqrt = torch.sqrt(1 - hp.beta2 ** step)
+    counted = torch.clamp(step, min=1.0)  # a skipped first step leaves 0: no 0/0 below
+    bias_correction1 = 1 - hp.beta1 ** counted
+    bias_correction2_sqrt = torch.sqrt(1 - hp.beta2 ** counted)
     denom = torch._foreach_sqrt(exp_avg_sq)
     torch._foreach_div_(denom, bias_correction2_sqrt)
     torch._foreach_add_(denom, hp.eps)
     update = torch._foreach_div(exp_avg, denom)
-    torch._foreach_mul_(update, lr / bias_correction1)
+    torch._foreach_mul_(update, lr * apply / bias_correction1)
     torch._foreach_sub_(params, update)
     return params, state

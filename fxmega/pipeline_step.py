@@ -25,7 +25,7 @@ from torch.distributed import pipelining
 from torch.distributed.tensor import DTensor, Replicate
 
 from fxmega import layers, tree
-from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_
+from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import SCHEDULES, SPLIT_BACKWARD, Stage, check_microbatches
 from fxmega.step import count_tokens
@@ -163,16 +163,18 @@ class PipelineStep:
 
     # -- one optimizer step -----------------------------------------------------------
     def _update_fn(self, flat: list[torch.Tensor], grads: list[torch.Tensor], opt_state: dict, lr: torch.Tensor,
-                   norm_weights: torch.Tensor) -> torch.Tensor:
+                   norm_weights: torch.Tensor) -> list[torch.Tensor]:
         par = self.par
         with torch.no_grad():
             grads = par.final_grads(grads)
             grads = self._sum_shared(grads)
             targets = par.opt_views(flat)
-            grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights, par.sum_over_world)
-            adamw_update(targets, grads, opt_state, lr, self.hyper, self.decay)
+            norms = per_tensor_norms(grads)
+            grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights, par.sum_over_world, norms)
+            finite = torch.isfinite(grad_norm)  # not finite: the update is not applied
+            adamw_update(targets, grads, opt_state, lr, self.hyper, self.decay, apply=finite.float())
             par.refresh_params(flat, targets)
-        return grad_norm
+        return [grad_norm, finite, ~torch.isfinite(norms)]
 
     def _sum_shared(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         if not self._shared:
@@ -199,8 +201,8 @@ class PipelineStep:
         for p in self.flat:
             p.grad = None  # the update owns them now
         lr_t = torch.tensor(lr, dtype=torch.float32, device=self.device)
-        grad_norm = self._update(self.flat, grads, opt_state, lr_t, self._norm_weights)
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
+        grad_norm, finite, bad = self._update(self.flat, grads, opt_state, lr_t, self._norm_weights)
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite, "nonfinite_grads": bad}
 
     def eval_sum(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Summed loss of this data rank's micro batches, reduced over the pipeline and the

@@ -25,7 +25,7 @@ import torch
 import torch._dynamo
 
 from fxmega import tree
-from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_
+from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms
 from fxmega.sharding.zero3 import backward_phase
 
 LossSumFn = Callable[[list[torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]
@@ -114,18 +114,23 @@ class TrainStep:
                 grads = par.final_grads(grads)
                 targets = par.opt_views(flat_params)
                 loss_sum = par.sum_over_data(loss_sum)
+            norms = per_tensor_norms(grads)
             grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights,
-                                             par.sum_over_world if par is not None else None)
-            adamw_update(targets, grads, opt_state, lr, self.hyper, self.decay)
+                                             par.sum_over_world if par is not None else None, norms)
+            # a step whose gradients are not finite anywhere is not applied (see train.nonfinite)
+            finite = torch.isfinite(grad_norm)
+            adamw_update(targets, grads, opt_state, lr, self.hyper, self.decay, apply=finite.float())
             if par is not None:
                 par.refresh_params(flat_params, targets)
-        return [loss_sum, grad_norm]
+        return [loss_sum, grad_norm, finite, ~torch.isfinite(norms)]
 
     # -- one optimizer step -----------------------------------------------------------
     def __call__(self, params: tree.Tree, opt_state: dict, micro_batches: list[dict[str, torch.Tensor]],
                  lr: float, n_tokens: torch.Tensor | None = None) -> tuple[tree.Tree, dict, dict[str, torch.Tensor]]:
         """Run one step; returns ``(params, opt_state, metrics)`` with ``loss`` (mean over the
-        global batch's tokens) and ``grad_norm`` (before clipping) as 0-dim tensors.
+        global batch's tokens) and ``grad_norm`` (before clipping) as 0-dim tensors,
+        ``finite`` (whether the update was applied) and ``nonfinite_grads`` (a flag per
+        local gradient).
 
         ``n_tokens`` is the global batch's loss-token count; it defaults to this rank's
         micro batches (right for a single device)."""
@@ -145,10 +150,10 @@ class TrainStep:
                 loss_sum = loss_sum + self._accumulate(flat, accum, batch, inv_tokens)
         if self.parallel is not None and len(micro_batches) > 1:
             loss_sum = self.parallel.sum_over_data(loss_sum)  # the update graph sums only its own
-        last_loss, grad_norm = self._update(flat, opt_state, accum, micro_batches[-1], inv_tokens, lr_t,
-                                            self._norm_weights)
+        last_loss, grad_norm, finite, bad = self._update(flat, opt_state, accum, micro_batches[-1], inv_tokens,
+                                                         lr_t, self._norm_weights)
         loss = (loss_sum + last_loss) * inv_tokens
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm}
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite, "nonfinite_grads": bad}
 
     def _accumulation_buffers(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
         if self._accum_buffers is None:

@@ -8,6 +8,7 @@ checkpoints and the closing sample.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,12 +17,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from fxmega import checkpoint, faults, run_state, tree
-from fxmega.config import RunConfig
+from fxmega import checkpoint, faults, run_state, tracking, tree
+from fxmega.config import RunConfig, to_dict
 from fxmega.data.batches import micro_batches
 from fxmega.data.sources import build_data
-from fxmega.errors import ConfigError
+from fxmega.errors import ConfigError, NonFiniteError
 from fxmega.generate import generate
+from fxmega.heartbeat import Heartbeat
 from fxmega.init import count_params, init_params
 from fxmega.logs import RunLog
 from fxmega.metrics import Throughput, device_peak, model_flops_per_token
@@ -29,6 +31,17 @@ from fxmega.models import family_name, lm_loss_sum, model_for
 from fxmega.optim import AdamWHyper, adamw_init, decay_mask
 from fxmega.schedules import lr_at
 from fxmega.step import EvalStep, TrainStep, count_tokens, trainable
+
+
+def set_deterministic() -> None:
+    """Kernels that give bitwise the same result every run (an error, not a silent
+    nondeterministic fallback, where an op has no deterministic version)."""
+    import os
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
+    torch.use_deterministic_algorithms(True)
+    if torch.cuda.is_available():
+        torch.backends.cudnn.benchmark = False
 
 
 def pick_device(name: str) -> torch.device:
@@ -52,6 +65,8 @@ class Run:
         data_size = parallel.data_size if parallel is not None else 1
         self.cfg = cfg.validate(data_size)
         t = cfg.train
+        if t.deterministic:
+            set_deterministic()
         self.device = device or pick_device(t.device)
         self.model = model_for(cfg.model)
         self.specs = self.model.param_specs(cfg.model)
@@ -69,6 +84,7 @@ class Run:
             self.opt_state = parallel.init_opt_state(self.device)
             loss_sum = parallel.loss_sum_fn(cfg.model)
         self.step = 0  # optimizer steps taken
+        self.skipped_steps = 0  # of them, steps whose update was dropped (non-finite)
         self._checkpointer: checkpoint.Checkpointer | None = None
         if self.pipelined:
             from fxmega.pipeline_step import PipelineStep
@@ -101,11 +117,39 @@ class Run:
         t = self.cfg.train
         batch = self.train_data.global_batch(self.step, t.global_batch_size)
         n_tokens = count_tokens([batch])  # of the whole global batch, whatever this rank's share
+        n_tokens = faults.maybe_poison(self.step + 1, n_tokens)
         lr = lr_at(self.step, self.cfg.optim, t.steps)
         self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state,
                                                                self._my_micro_batches(batch), lr, n_tokens)
         self.step += 1
-        return {"loss": float(metrics["loss"]), "lr": lr, "grad_norm": float(metrics["grad_norm"])}
+        out = {"loss": float(metrics["loss"]), "lr": lr, "grad_norm": float(metrics["grad_norm"])}
+        if not bool(metrics["finite"]):  # the compiled step did not apply the update
+            self._nonfinite(metrics)
+            out["skipped"] = True
+        return out
+
+    def _nonfinite(self, metrics: dict) -> None:
+        """A step with a non-finite loss or gradient (every rank sees it: the norm is global).
+        Policy ``skip``: the update was dropped; say so and go on. ``stop``: write what went
+        wrong where, and stop with an error."""
+        t = self.cfg.train
+        report = faults.nonfinite_report(self, metrics, self.step)
+        self.skipped_steps += 1
+        main = self.parallel is None or self.parallel.rank == 0
+        if t.nonfinite == "skip":
+            if main:
+                print(f"warning: step {self.step}: non-finite loss or gradient (loss {report['loss']}); the update "
+                      f"was skipped ({self.skipped_steps} skipped so far; train.nonfinite=skip)", flush=True)
+            return
+        out = Path(t.diagnostics_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"nonfinite_step{self.step:08d}_rank{report['rank']}.json"
+        path.write_text(json.dumps(report, indent=1))
+        bad = report["nonfinite_gradients"]
+        raise NonFiniteError(f"step {self.step}: non-finite loss or gradient (loss {report['loss']}, gradient norm "
+                             f"{report['grad_norm']}); {len(bad)} gradients on rank {report['rank']} are not finite, "
+                             f"first {bad[:3]}; the update was not applied. Diagnostics: {path}. Resume from the "
+                             f"last checkpoint with a lower --lr, or set train.nonfinite=skip to drop such steps")
 
     def evaluate(self) -> float:
         """Mean validation loss over ``train.eval_iters`` fixed global batches (the same
@@ -214,7 +258,7 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
         f"{cfg.grad_accum_steps(dp)} accumulation steps x {dp} data-parallel ranks; {t.steps} steps; "
         f"compile={t.compile}")
     say(f"data: {run.data.description}")
-    log = RunLog(t.log_jsonl, t.tensorboard_dir) if main else RunLog()
+    log = RunLog(t.log_jsonl, t.tensorboard_dir, tracking.sinks(cfg, to_dict(cfg))) if main else RunLog()
     result = RunResult(run=run)
     meter = Throughput(flops, peak, world)
     tokens_per_step = t.global_batch_size * t.seq_len
@@ -222,19 +266,43 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
                dynamic_ncols=True)
     echo = bar.write if main else (lambda *a, **k: None)
     first_step = run.step
+    spikes = faults.SpikeDetector(t.spike_z)
+    rank = 0 if parallel is None else parallel.rank
+    beats = None if parallel is None else Heartbeat(rank, world, parallel.spec.coords, parallel.spec.names)
     while run.step < t.steps:
+        faults.maybe_stall(rank, run.step + 1)
+        if beats is not None:
+            beats.start(run.step + 1)
         t0 = time.perf_counter()
-        m = run.do_step()  # float() of the loss waits for the step to finish
+        try:
+            m = run.do_step()  # float() of the loss waits for the step to finish
+        except RuntimeError as e:  # a collective that gave up waiting explains who it waited for
+            if beats is None:
+                raise
+            raise beats.explain(e, run.step + 1) from e
         seconds = time.perf_counter() - t0
         step = run.step
-        faults.maybe_kill(0 if parallel is None else parallel.rank, step)
+        if beats is not None:
+            beats.done(step)
+        faults.maybe_kill(rank, step)
         first = step == first_step + 1
         rates = meter.step(0 if first else tokens_per_step, seconds)  # compilation is not throughput
         record = {"step": step, **m, "step_time_s": seconds, **rates}
+        if not m.get("skipped") and (z := spikes.score(m["loss"])) is not None:
+            record["loss_spike_z"] = z
+            echo(f"warning: step {step}: loss {m['loss']:.4f} is {z:.1f} standard deviations above the mean of the "
+                 f"last {len(spikes.history) - 1} steps (a loss spike)")
         result.losses.append(m["loss"])
         if (t.eval_interval and step % t.eval_interval == 0) or step == t.steps:
             record["valid_loss"] = result.valid_losses[step] = run.evaluate()
             echo(f"step {step}: validation loss {record['valid_loss']:.4f}")
+        log_line = not first and (step % t.log_interval == 0 or step == t.steps)
+        straggler = ""
+        slow = beats.stragglers(step) if log_line and beats is not None and main else None
+        if slow is not None and slow[1] > max(0.05, 0.1 * seconds):  # noticeably late, not clock noise
+            late_rank, late_s = slow
+            straggler = f" | straggler: rank {late_rank} began the step {late_s * 1e3:.0f} ms after the first"
+            record |= {"straggler_rank": late_rank, "straggler_late_s": late_s}
         log.write(record)
         bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.2f}",
                         tok_s=f"{rates['tokens_per_s']:,.0f}", refresh=False)
@@ -242,10 +310,10 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
         if first:
             echo(f"step {step}: first step took {seconds:.1f} s" + (" (includes compilation)" if t.compile else ""))
             meter.interval()
-        elif step % t.log_interval == 0 or step == t.steps:
+        elif log_line:
             avg = meter.interval()
             echo(f"step {step:>6} | loss {m['loss']:.4f} | lr {m['lr']:.3e} | grad norm {m['grad_norm']:.3f} | "
-                 f"{avg['tokens_per_s']:,.0f} tokens/s | MFU {100 * avg['mfu']:.2f}%")
+                 f"{avg['tokens_per_s']:,.0f} tokens/s | MFU {100 * avg['mfu']:.2f}%{straggler}")
         if t.save_dir and ((t.save_interval and step % t.save_interval == 0) or step == t.steps):
             result.checkpoint = run.save(t.save_dir)
             echo(f"step {step}: saved checkpoint {result.checkpoint}")

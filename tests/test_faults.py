@@ -45,10 +45,15 @@ def test_killed_rank_restarts_and_resumes_from_the_last_checkpoint(tmp_path):
 
 
 def test_two_runs_with_the_same_seed_are_bitwise_identical(tmp_path):
+    import torch
+
     logs = []
-    for i in range(2):
-        logs.append(tmp_path / f"run{i}.jsonl")
-        assert main([*ARGS, "--log-jsonl", str(logs[-1])]) == 0
+    try:
+        for i in range(2):
+            logs.append(tmp_path / f"run{i}.jsonl")
+            assert main([*ARGS, "--deterministic", "--log-jsonl", str(logs[-1])]) == 0
+    finally:
+        torch.use_deterministic_algorithms(True, warn_only=True)  # the suite's setting (conftest.py)
     a, b = _records(logs[0]), _records(logs[1])
     assert [(r["loss"], r["grad_norm"]) for r in a] == [(r["loss"], r["grad_norm"]) for r in b]
 
@@ -68,3 +73,95 @@ def test_kubernetes_example_is_a_pytorchjob():
         container = specs[role]["template"]["spec"]["containers"][0]
         assert container["command"] == ["torchrun"] and "run.py" in container["args"]
         assert any(a.startswith("--load=") for a in container["args"])
+
+
+# -- numerical faults -------------------------------------------------------------------
+def _tiny(*extra):
+    from fxmega.config import load, override
+
+    return override(load(ROOT / "configs" / "tiny_gpt.py"), ["train.compile=true", *extra])
+
+
+def test_nonfinite_step_is_skipped_inside_the_compiled_step(monkeypatch):
+    import torch
+    from torch._dynamo.utils import counters
+
+    from fxmega import tree
+    from fxmega.train import Run
+
+    monkeypatch.setenv("FXMEGA_TEST_NAN_AT_STEP", "3")
+    run = Run(_tiny("train.nonfinite=skip"))
+    counters.clear()
+    results = [run.do_step() for _ in range(2)]
+    before = [t.detach().clone() for t in tree.leaves(run.params)]
+    moments = [m.clone() for m in run.opt_state["exp_avg_sq"]]
+    results.append(run.do_step())  # NaN loss and gradients
+    assert results[-1]["skipped"] and run.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, tree.leaves(run.params)))  # nothing applied
+    assert all(torch.equal(a, b) for a, b in zip(moments, run.opt_state["exp_avg_sq"]))
+    assert float(run.opt_state["step"]) == 2  # the optimizer's step count did not move
+    results += [run.do_step() for _ in range(2)]
+    assert all(not r.get("skipped") and r["loss"] == r["loss"] for r in results[3:])  # training goes on, finite
+    assert counters["stats"]["unique_graphs"] == 1  # the guard lives in the one graph
+
+
+def test_nonfinite_step_stops_with_diagnostics(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("FXMEGA_TEST_NAN_AT_STEP", "2")
+    code = main([*ARGS, "--set", f"train.diagnostics_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "step 2: non-finite loss or gradient" in err and "Traceback" not in err
+    report = json.loads((tmp_path / "nonfinite_step00000002_rank0.json").read_text())
+    assert report["step"] == 2 and report["rank"] == 0 and "embed.tokens" in report["nonfinite_gradients"]
+
+
+def test_bad_gradient_is_named_and_a_dropped_update_changes_nothing():
+    import torch
+
+    from fxmega.optim import AdamWHyper, adamw_init, adamw_update, per_tensor_norms
+
+    grads = [torch.ones(3), torch.tensor([1.0, float("nan")]), torch.full((2,), float("inf"))]
+    assert (~torch.isfinite(per_tensor_norms(grads))).tolist() == [False, True, True]
+    params = [torch.randn(3), torch.randn(2), torch.randn(2)]
+    state = adamw_init(params)
+    snapshot = [p.clone() for p in params]
+    adamw_update(params, grads, state, torch.tensor(0.1), AdamWHyper(0.9, 0.95, 1e-8, 0.1), [True] * 3,
+                 apply=torch.tensor(0.0))
+    assert all(torch.equal(a, b) for a, b in zip(params, snapshot)) and float(state["step"]) == 0
+    assert all(float(m.abs().sum()) == 0 for m in state["exp_avg"] + state["exp_avg_sq"])
+
+
+def test_loss_spike_detector():
+    from fxmega.faults import SpikeDetector
+
+    detector = SpikeDetector(z=6.0)
+    assert all(detector.score(3.0 + 0.01 * (i % 3)) is None for i in range(20))
+    assert detector.score(3.5) > 6  # far above a steady loss
+    assert SpikeDetector(z=0).score(100.0) is None  # disabled
+
+
+# -- hangs and stragglers -----------------------------------------------------------------
+def _run_two_ranks(env: dict, *extra: str) -> tuple[subprocess.CompletedProcess, float]:
+    import time
+
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *ARGS, "--mesh", "dp=2", *extra], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True,
+                          timeout=300)
+    return proc, time.monotonic() - t0
+
+
+def test_a_stalled_rank_is_named_within_the_timeout():
+    # rank 1 stops answering before step 3 (a sick host); rank 0's collective gives up after
+    # 8 s and says who it waited for, on which mesh axis, and what the backend reported
+    proc, seconds = _run_two_ranks({"FXMEGA_TEST_STALL_AT_STEP": "1:3:40"}, "--set", "parallel.timeout_s=8")
+    assert proc.returncode != 0
+    assert "error: rank 0 (dp=0) timed out in step 3 waiting for rank 1 (dp=1), still at step 2" in proc.stderr
+    assert "mesh axis dp" in proc.stderr and "the backend reports" in proc.stderr
+    assert seconds < 40, f"took {seconds:.0f} s: the failure did not come within the timeout"
+
+
+def test_the_straggler_is_named_in_the_log():
+    proc, _ = _run_two_ranks({"FXMEGA_TEST_STALL_AT_STEP": "1:4:0.5"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("step      4 |"))
+    assert "straggler: rank 1 began the step" in line
