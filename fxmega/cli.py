@@ -58,6 +58,17 @@ FLAG_KEYS = {
 }
 
 
+# on/off flags (argparse dest) -> the config assignment each one stands for
+SWITCHES = {
+    "mock_data": "data.source=mock",
+    "no_compile": "train.compile=false",
+    "sequence_parallel": "parallel.sequence_parallel=true",
+    "async_save": "train.async_save=true",
+    "deterministic": "train.deterministic=true",
+    "finetune": "train.finetune=true",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="run.py", description="Train (default) or inspect a model described by a Python config file.")
@@ -97,18 +108,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                    if (value := getattr(args, f"flag:{flag}")) is not None]
     if args.data_path:
         assignments.append(f"data.source={' '.join(args.data_path)}")
-    if args.mock_data:
-        assignments.append("data.source=mock")
-    if args.no_compile:
-        assignments.append("train.compile=false")
-    if args.sequence_parallel:
-        assignments.append("parallel.sequence_parallel=true")
-    if args.async_save:
-        assignments.append("train.async_save=true")
-    if args.deterministic:
-        assignments.append("train.deterministic=true")
-    if args.finetune:
-        assignments.append("train.finetune=true")
+    assignments += [assignment for switch, assignment in SWITCHES.items() if getattr(args, switch)]
     return override(cfg, assignments + args.overrides)
 
 
