@@ -71,7 +71,7 @@ class Checkpointer:
     def __init__(self, root: str | Path, keep_last: int = 0, async_save: bool = False) -> None:
         self.root, self.keep_last, self.async_save = Path(root), keep_last, async_save
         self._pending: tuple[Future, Path, int, dict] | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="fxmega-checkpoint")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="fxmega-checkpoint") if async_save else None
         self.blocked_s = 0.0  # time the caller waited on saves (for the benchmark and the log)
 
     def save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:

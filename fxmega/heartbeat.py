@@ -61,11 +61,9 @@ class Heartbeat:
         self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
     def start(self, step: int) -> None:
-        now = f"{step} {time.time():.6f}"
-        self.store.set(self._key("start", self.rank), now)
-        # also kept per step (a ring of 4): rank 0 reads a step's arrivals after other
-        # ranks may already have begun the next one
-        self.store.set(self._key(f"start{step % 4}", self.rank), now)
+        # kept per step in a ring of 4: rank 0 reads a step's arrivals after other ranks may
+        # already have begun the next one (two store writes per step and rank in all)
+        self.store.set(self._key(f"start{step % 4}", self.rank), f"{step} {time.time():.6f}")
 
     def done(self, step: int) -> None:
         self.store.set(self._key("done", self.rank), f"{step} {time.time():.6f}")
@@ -83,7 +81,8 @@ class Heartbeat:
     def read(self) -> list[Beat]:
         out = []
         for r in range(self.world):
-            (started, started_at), (done, done_at) = self._get("start", r), self._get("done", r)
+            started, started_at = max(self._get(f"start{i}", r) for i in range(4))
+            done, done_at = self._get("done", r)
             if started or done:
                 out.append(Beat(r, started, started_at, done, done_at))
         return out
