@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -29,8 +30,10 @@ class Block(nn.Module):
 
 
 class PlainGPT(nn.Module):
-    def __init__(self, vocab: int, max_seq: int, d: int, layers: int, heads: int) -> None:
+    def __init__(self, vocab: int, max_seq: int, d: int, layers: int, heads: int,
+                 checkpoint_blocks: bool = False) -> None:
         super().__init__()
+        self.checkpoint_blocks = checkpoint_blocks  # torch.utils.checkpoint around each block
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(max_seq, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
@@ -40,6 +43,9 @@ class PlainGPT(nn.Module):
         pos = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.wte(tokens) + self.wpe(pos)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpoint_blocks:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.ln_f(x) @ self.wte.weight.t()  # tied head
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -5,9 +5,10 @@ Three ways to train the same GPT on the same synthetic batches:
   1. fxmega: pure model function, forward + autograd.grad + AdamW in one torch.compile graph;
   2. plain eager: an nn.Module GPT with loss.backward() and torch.optim.AdamW (foreach);
   3. plain compiled: that module under torch.compile, optimizer step eager.
-Prints tokens/s for each and fxmega's ratio to the others.
+Prints tokens/s and MFU for each and fxmega's ratio to the others. ``--precision bf16``
+runs fxmega with bf16 compute (fp32 masters) and plain PyTorch under bf16 autocast.
 
-    python bench/step.py [--d-model 256 --layers 4 --seq 128 --batch 8 --steps 20]
+    python bench/step.py [--d-model 256 --layers 4 --seq 128 --batch 8 --steps 20 --precision bf16]
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from plain_gpt import PlainGPT  # noqa: E402
 
-from fxmega.config import DataConfig, OptimConfig, RunConfig, TrainConfig  # noqa: E402
+from fxmega.config import ComputeConfig, DataConfig, OptimConfig, RunConfig, TrainConfig  # noqa: E402
+from fxmega.metrics import device_peak, model_flops_per_token  # noqa: E402
 from fxmega.models import gpt  # noqa: E402
+from fxmega.precision import compute_dtype  # noqa: E402
 from fxmega.train import Run  # noqa: E402
 
 
@@ -61,6 +64,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per method (compilation)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tf32", action="store_true", help="allow TF32 matmuls on CUDA (all three methods)")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--kernels", default="reference", choices=["reference", "triton"])
+    ap.add_argument("--loss-chunk", type=int, default=0)
     args = ap.parse_args()
     if args.tf32:
         torch.set_float32_matmul_precision("high")
@@ -75,8 +81,10 @@ def main() -> None:
                           seq_len=args.seq, device=args.device),
         optim=OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", clip_grad=0.0),
         data=DataConfig(source="mock"),
+        compute=ComputeConfig(precision=args.precision, kernels=args.kernels, loss_chunk=args.loss_chunk),
     )
     run = Run(cfg)
+    autocast_dtype = compute_dtype(args.precision)
     batches = [run.train_data.global_batch(i, args.batch) for i in range(4)]
     step_fns = {"fxmega compiled step": lambda i: run.do_step()}
     for name, compile_model in (("plain nn.Module eager", False), ("plain nn.Module compiled", True)):
@@ -87,7 +95,8 @@ def main() -> None:
 
         def plain_step(i: int, fwd=fwd, opt=opt) -> None:
             b = batches[i % len(batches)]
-            loss = fwd(b["inputs"].to(device), b["targets"].to(device))
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=args.precision != "fp32"):
+                loss = fwd(b["inputs"].to(device), b["targets"].to(device))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -97,12 +106,18 @@ def main() -> None:
     results = interleaved(step_fns, args.steps, args.warmup, args.rounds, sync)
 
     ours = tokens_per_step / statistics.median(results["fxmega compiled step"])
+    flops = model_flops_per_token(run.specs, cfg.model, args.seq)
+    peak = device_peak(device, autocast_dtype)
     print(f"\nGPT d_model={args.d_model} layers={args.layers} heads={args.heads} vocab={args.vocab} "
-          f"seq={args.seq} batch={args.batch}, {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'method':<28}{'median step ms':>16}{'tokens/s':>12}{'fxmega is':>12}")
+          f"seq={args.seq} batch={args.batch}, {args.precision}, kernels {args.kernels}, {device}, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; MFU against "
+          f"{peak.flops / 1e12:.1f} TFLOP/s ({peak.source})")
+    print(f"{'method':<28}{'median step ms':>16}{'tokens/s':>12}{'MFU':>8}{'fxmega is':>12}")
     for name, times in results.items():
         rate = tokens_per_step / statistics.median(times)
-        print(f"{name:<28}{1000 * statistics.median(times):>16.1f}{rate:>12,.0f}{ours / rate:>11.2f}x")
+        mfu = rate * flops / peak.flops
+        print(f"{name:<28}{1000 * statistics.median(times):>16.1f}{rate:>12,.0f}{100 * mfu:>7.1f}%"
+              f"{ours / rate:>11.2f}x")
 
 
 if __name__ == "__main__":

@@ -55,6 +55,18 @@ FLAG_KEYS = {
     "--pipeline-schedule": "parallel.pipeline_schedule",
     "--virtual-stages": "parallel.virtual_stages",
     "--pipeline-layout": "parallel.pipeline_layout",
+    "--compile-backend": "train.compile_backend",
+    "--precision": "compute.precision",
+    "--grad-reduce": "compute.grad_reduce",
+    "--loss-scale": "compute.loss_scale",
+    "--initial-loss-scale": "compute.initial_loss_scale",
+    "--min-loss-scale": "compute.min_loss_scale",
+    "--loss-scale-window": "compute.loss_scale_window",
+    "--hysteresis": "compute.hysteresis",
+    "--recompute": "compute.recompute",
+    "--recompute-layers": "compute.recompute_layers",
+    "--kernels": "compute.kernels",
+    "--loss-chunk": "compute.loss_chunk",
 }
 
 
@@ -66,6 +78,8 @@ SWITCHES = {
     "async_save": "train.async_save=true",
     "deterministic": "train.deterministic=true",
     "finetune": "train.finetune=true",
+    "bf16": "compute.precision=bf16",
+    "fp16": "compute.precision=fp16",
 }
 
 
@@ -91,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--async-save", action="store_true", help="write checkpoints in a background thread")
     parser.add_argument("--deterministic", action="store_true",
                         help="deterministic kernels: the same seed and mesh give bitwise the same run")
+    parser.add_argument("--bf16", action="store_true", help="same as --precision bf16 (Megatron's flag)")
+    parser.add_argument("--fp16", action="store_true", help="same as --precision fp16 (Megatron's flag)")
     parser.add_argument("--finetune", action="store_true",
                         help="with --load: take only the parameters; optimizer and step start fresh")
     parser.add_argument("--explain", action="store_true",

@@ -20,6 +20,15 @@ from typing import Any
 from fxmega.errors import ConfigError
 from fxmega.models import gpt, llama
 
+# torch.compile backends a run may use: inductor generates fused kernels; aot_eager traces
+# the same forward+backward graph (collectives included) and runs it op by op, which
+# compiles in seconds instead of a minute on a CPU (debugging, and the tests that check
+# graphs rather than kernels)
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+PRECISIONS = ("fp32", "bf16", "fp16")
+RECOMPUTE_MODES = ("none", "selective", "full")
+KERNELS = ("reference", "triton")
+
 SCHEDULES = ("constant", "linear", "cosine", "wsd", "inverse-sqrt")
 WSD_DECAY_STYLES = ("linear", "cosine", "1-sqrt")
 
@@ -32,6 +41,7 @@ class TrainConfig:
     seq_len: int = 256  # tokens per sequence (Megatron: --seq-length)
     seed: int = 1234
     compile: bool = True  # one torch.compile'd step; False runs the same step eagerly
+    compile_backend: str = "inductor"  # inductor (fused kernels) | aot_eager (same graphs, no codegen: debugging)
     device: str = "auto"  # auto (cuda if present, else cpu) | cpu | cuda
     eval_interval: int = 200  # steps between validation passes; 0 evaluates only at the end
     eval_iters: int = 20  # validation batches per pass
@@ -101,6 +111,24 @@ class ParallelConfig:
     pipeline_layout: str = ""
 
 
+@dataclass(frozen=True)
+class ComputeConfig:
+    """How the step computes: precision, activation recompute, kernels (Megatron's mixed
+    precision and activation recompute flags)."""
+
+    precision: str = "fp32"  # fp32 | bf16 | fp16: compute dtype; parameters (masters) and AdamW state stay fp32
+    grad_reduce: str = "fp32"  # fp32 | bf16: dtype of data-parallel gradient reductions (bf16 halves their bytes)
+    loss_scale: float = 0.0  # fp16: a fixed loss scale; 0 scales dynamically (Megatron: --loss-scale)
+    initial_loss_scale: float = 2.0**32  # fp16 dynamic scaling (Megatron: --initial-loss-scale)
+    min_loss_scale: float = 1.0  # never scale below this (Megatron: --min-loss-scale)
+    loss_scale_window: int = 1000  # clean steps before the scale doubles (Megatron: --loss-scale-window)
+    hysteresis: int = 2  # overflows tolerated before the scale first halves (Megatron: --hysteresis)
+    recompute: str = "none"  # none | selective (keep matmul outputs, redo the rest) | full (redo whole blocks)
+    recompute_layers: int = 0  # recompute only the first N blocks; 0: all (Megatron: --recompute-num-layers)
+    kernels: str = "reference"  # reference (compiled PyTorch) | triton (hand-written norms and cross-entropy, CUDA)
+    loss_chunk: int = 0  # tokens per cross-entropy chunk: fp32 logits exist for one chunk at a time; 0: whole batch
+
+
 ModelConfig = gpt.Config | llama.Config
 
 
@@ -111,6 +139,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
     name: str = "run"
 
     def validate(self, data_parallel_size: int | None = 1) -> RunConfig:
@@ -218,6 +247,22 @@ def _all_keys(obj: Any, prefix: str = "") -> list[str]:
     return keys
 
 
+def _validate_compute(c: ComputeConfig) -> None:
+    _require(c.precision in PRECISIONS, f"compute.precision={c.precision!r}: use one of {', '.join(PRECISIONS)}")
+    _require(c.grad_reduce in ("fp32", "bf16"), f"compute.grad_reduce={c.grad_reduce!r}: use fp32 or bf16")
+    _require(c.loss_scale >= 0, f"compute.loss_scale={c.loss_scale} must be zero (dynamic) or positive")
+    _require(c.min_loss_scale > 0 and c.initial_loss_scale >= c.min_loss_scale,
+             f"compute.initial_loss_scale={c.initial_loss_scale} must be at least compute.min_loss_scale="
+             f"{c.min_loss_scale} > 0")
+    _require(c.loss_scale_window > 0 and c.hysteresis > 0,
+             f"compute.loss_scale_window={c.loss_scale_window} and compute.hysteresis={c.hysteresis} must be positive")
+    _require(c.recompute in RECOMPUTE_MODES,
+             f"compute.recompute={c.recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")
+    _require(c.recompute_layers >= 0, f"compute.recompute_layers={c.recompute_layers} must be zero (all) or positive")
+    _require(c.kernels in KERNELS, f"compute.kernels={c.kernels!r}: use one of {', '.join(KERNELS)}")
+    _require(c.loss_chunk >= 0, f"compute.loss_chunk={c.loss_chunk} must be zero (no chunks) or positive")
+
+
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
@@ -242,6 +287,8 @@ def _validate(cfg: RunConfig, dp: int | None) -> None:
              f"micro batch x accumulation steps x data-parallel size; use e.g. "
              f"train.global_batch_size={per_step * max(1, round(t.global_batch_size / per_step))}")
     _require(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: use auto, cpu or cuda")
+    _require(t.compile_backend in COMPILE_BACKENDS,
+             f"train.compile_backend={t.compile_backend!r}: use one of {', '.join(COMPILE_BACKENDS)}")
     _require(t.nonfinite in ("stop", "skip"), f"train.nonfinite={t.nonfinite!r}: use stop or skip")
     _require(o.schedule in SCHEDULES, f"optim.schedule={o.schedule!r}: use one of {', '.join(SCHEDULES)}")
     _require(o.wsd_decay_style in WSD_DECAY_STYLES,
@@ -257,6 +304,7 @@ def _validate(cfg: RunConfig, dp: int | None) -> None:
     from fxmega.data.gpt_dataset import parse_split
 
     parse_split(d.split)  # raises ConfigError naming the value
+    _validate_compute(cfg.compute)
     p = cfg.parallel
     _require(p.zero in (-1, 0, 1, 2, 3), f"parallel.zero={p.zero}: use 0, 1, 2 or 3")
     _require(p.bucket_size >= 0, f"parallel.bucket_size={p.bucket_size} must be zero (one bucket) or positive")

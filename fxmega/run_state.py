@@ -52,6 +52,8 @@ def meta(run: Any, params_only: bool = False) -> dict[str, Any]:
         "data": run.data.description, "config": to_dict(run.cfg), "model_family": family_name(run.cfg.model),
         "mesh": run.parallel.spec.describe() if run.parallel is not None else "1", "params_only": params_only,
         "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(), "saved_at": time.time(),
+        "skipped_steps": run.skipped_steps,
+        "loss_scaler": run.scaler.state_dict() if run.scaler is not None and not params_only else None,
     }
 
 
@@ -84,6 +86,9 @@ def load_into(run: Any, path: Path, params_only: bool = False) -> dict[str, Any]
             t.copy_(run.parallel.shard(full, lay, kind) if lay is not None else full)
     if not params_only:
         run.step = int(info["step"])
+        run.skipped_steps = int(info.get("skipped_steps", 0))
+        if run.scaler is not None and info.get("loss_scaler"):  # fp16: resume at the scale reached
+            run.scaler.load_state_dict(info["loss_scaler"])
         if info.get("rng"):
             torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(info["rng"])), dtype=torch.uint8))
     return info

@@ -38,6 +38,19 @@ def enable_autograd_in_compile() -> None:
         torch._dynamo.config.trace_autograd_ops = True
 
 
+def compiled(fn: Callable, backend: str = "inductor", options: dict | None = None) -> Callable:
+    """``fn`` under ``torch.compile`` as fxmega compiles every step: one whole graph
+    (``fullgraph``: a graph break is an error, not a silent split) with static shapes;
+    ``options`` are inductor settings (ignored by other backends)."""
+    if backend == "aot_eager":
+        from fxmega.sharding.inspect import aot_eager_backend
+
+        return torch.compile(fn, fullgraph=True, dynamic=False, backend=aot_eager_backend())
+    if not options:
+        return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options)
+
+
 def trainable(params: tree.Tree) -> tree.Tree:
     """Mark every parameter as a leaf that requires grad (in place; returns the tree)."""
     for p in tree.leaves(params):
@@ -65,7 +78,8 @@ class TrainStep:
     """
 
     def __init__(self, loss_sum_fn: LossSumFn, decay: list[bool], hyper: AdamWHyper, clip_grad: float,
-                 compile: bool = True, parallel: Any = None) -> None:
+                 compile: bool = True, parallel: Any = None, backend: str = "inductor",
+                 options: dict | None = None) -> None:
         self.loss_sum_fn = loss_sum_fn
         self.decay = decay
         self.hyper = hyper
@@ -76,8 +90,8 @@ class TrainStep:
         self._norm_weights: torch.Tensor | None = None
         if compile:
             enable_autograd_in_compile()
-            self._accumulate = torch.compile(self._accumulate_fn, fullgraph=True, dynamic=False)
-            self._update = torch.compile(self._update_fn, fullgraph=True, dynamic=False)
+            self._accumulate = compiled(self._accumulate_fn, backend, options)
+            self._update = compiled(self._update_fn, backend, options)
         else:
             self._accumulate, self._update = self._accumulate_fn, self._update_fn
 
@@ -102,7 +116,7 @@ class TrainStep:
 
     def _update_fn(self, flat_params: list[torch.Tensor], opt_state: dict, accum: list[torch.Tensor] | None,
                    batch: dict[str, torch.Tensor], inv_tokens: torch.Tensor, lr: torch.Tensor,
-                   norm_weights: torch.Tensor | None) -> list[torch.Tensor]:
+                   norm_weights: torch.Tensor | None, unscale: torch.Tensor | None) -> list[torch.Tensor]:
         loss_sum, grads = self._loss_and_grads(flat_params, batch, inv_tokens)
         par = self.parallel
         with torch.no_grad():
@@ -114,6 +128,8 @@ class TrainStep:
                 grads = par.final_grads(grads)
                 targets = par.opt_views(flat_params)
                 loss_sum = par.sum_over_data(loss_sum)
+            if unscale is not None:  # fp16: the gradients of the scaled loss, back to true size
+                grads = torch._foreach_mul(grads, unscale)
             norms = per_tensor_norms(grads)
             grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights,
                                              par.sum_over_world if par is not None else None, norms)
@@ -126,19 +142,26 @@ class TrainStep:
 
     # -- one optimizer step -----------------------------------------------------------
     def __call__(self, params: tree.Tree, opt_state: dict, micro_batches: list[dict[str, torch.Tensor]],
-                 lr: float, n_tokens: torch.Tensor | None = None) -> tuple[tree.Tree, dict, dict[str, torch.Tensor]]:
+                 lr: float, n_tokens: torch.Tensor | None = None,
+                 loss_scale: float | None = None) -> tuple[tree.Tree, dict, dict[str, torch.Tensor]]:
         """Run one step; returns ``(params, opt_state, metrics)`` with ``loss`` (mean over the
         global batch's tokens) and ``grad_norm`` (before clipping) as 0-dim tensors,
         ``finite`` (whether the update was applied) and ``nonfinite_grads`` (a flag per
         local gradient).
 
         ``n_tokens`` is the global batch's loss-token count; it defaults to this rank's
-        micro batches (right for a single device)."""
+        micro batches (right for a single device). ``loss_scale`` (fp16) multiplies the loss
+        before the backward; the gradients are divided by it again before clipping (a
+        tensor input: a new scale does not recompile the step)."""
         flat = tree.leaves(params)
         device = flat[0].device
         if n_tokens is None:
             n_tokens = count_tokens(micro_batches)
         inv_tokens = (1.0 / n_tokens).to(device)
+        grad_weight, unscale = inv_tokens, None  # what the summed loss is multiplied by for the backward
+        if loss_scale is not None:
+            grad_weight = inv_tokens * loss_scale
+            unscale = torch.tensor(1.0 / loss_scale, dtype=torch.float32, device=device)
         lr_t = torch.tensor(lr, dtype=torch.float32, device=device)
         if self.parallel is not None and self._norm_weights is None:
             self._norm_weights = self.parallel.norm_weights(device)
@@ -147,11 +170,11 @@ class TrainStep:
         if len(micro_batches) > 1:
             accum = self._accumulation_buffers(flat)
             for batch in micro_batches[:-1]:
-                loss_sum = loss_sum + self._accumulate(flat, accum, batch, inv_tokens)
+                loss_sum = loss_sum + self._accumulate(flat, accum, batch, grad_weight)
         if self.parallel is not None and len(micro_batches) > 1:
             loss_sum = self.parallel.sum_over_data(loss_sum)  # the update graph sums only its own
-        last_loss, grad_norm, finite, bad = self._update(flat, opt_state, accum, micro_batches[-1], inv_tokens,
-                                                         lr_t, self._norm_weights)
+        last_loss, grad_norm, finite, bad = self._update(flat, opt_state, accum, micro_batches[-1], grad_weight,
+                                                         lr_t, self._norm_weights, unscale)
         loss = (loss_sum + last_loss) * inv_tokens
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite, "nonfinite_grads": bad}
 
@@ -170,9 +193,9 @@ class TrainStep:
 class EvalStep:
     """Summed loss of a batch without gradients, compiled like the train step."""
 
-    def __init__(self, loss_sum_fn: LossSumFn, compile: bool = True) -> None:
+    def __init__(self, loss_sum_fn: LossSumFn, compile: bool = True, backend: str = "inductor") -> None:
         self.loss_sum_fn = loss_sum_fn
-        self._fn = torch.compile(self._eval, fullgraph=True, dynamic=False) if compile else self._eval
+        self._fn = compiled(self._eval, backend) if compile else self._eval
 
     def _eval(self, flat_params: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with torch.no_grad():

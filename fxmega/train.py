@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from fxmega import checkpoint, faults, run_state, tracking, tree
+from fxmega import checkpoint, faults, kernels, precision, recompute, run_state, tracking, tree
 from fxmega.config import RunConfig, to_dict
 from fxmega.data.batches import micro_batches
 from fxmega.data.sources import build_data
@@ -26,6 +26,7 @@ from fxmega.generate import generate
 from fxmega.heartbeat import Heartbeat
 from fxmega.init import count_params, init_params
 from fxmega.logs import RunLog
+from fxmega.memory import peak_bytes, reset_peak
 from fxmega.metrics import Throughput, device_peak, model_flops_per_token
 from fxmega.models import family_name, lm_loss_sum, model_for
 from fxmega.optim import AdamWHyper, adamw_init, decay_mask
@@ -68,6 +69,13 @@ class Run:
         if t.deterministic:
             set_deterministic()
         self.device = device or pick_device(t.device)
+        kernels.check_available(cfg.compute.kernels, self.device)
+        if parallel is not None and parallel.tp > 1 and cfg.compute.loss_chunk:
+            raise ConfigError(f"compute.loss_chunk={cfg.compute.loss_chunk} works on an unsplit vocabulary; with "
+                              f"tp={parallel.tp} the logits are already split over the vocabulary (vocab-parallel "
+                              f"cross-entropy): set compute.loss_chunk=0")
+        self.compute_dtype = precision.compute_dtype(cfg.compute.precision)
+        self.scaler = precision.scaler_for(cfg.compute)  # fp16 only
         self.model = model_for(cfg.model)
         self.specs = self.model.param_specs(cfg.model)
         # the parameters this process holds: all of them, or its pipeline stages' (global paths)
@@ -86,6 +94,8 @@ class Run:
         self.step = 0  # optimizer steps taken
         self.skipped_steps = 0  # of them, steps whose update was dropped (non-finite)
         self._checkpointer: checkpoint.Checkpointer | None = None
+        zero3_regather = parallel is not None and parallel.gathers_params and parallel.regather
+        options = recompute.inductor_options(cfg.compute.recompute != "none" or zero3_regather)
         if self.pipelined:
             from fxmega.pipeline_step import PipelineStep
 
@@ -93,17 +103,18 @@ class Run:
             self.params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), self.params)
             self.train_step = PipelineStep(parallel, cfg.model, self.model, self.params, decay, hyper,
                                            cfg.optim.clip_grad, cfg.grad_accum_steps(data_size), t.compile,
-                                           self.device)
+                                           self.device, backend=t.compile_backend, options=options)
             self.eval_step = None
         else:
             self.train_step = TrainStep(loss_sum, decay, hyper, cfg.optim.clip_grad, compile=t.compile,
-                                        parallel=parallel)
-            self.eval_step = EvalStep(loss_sum, compile=t.compile)
+                                        parallel=parallel, backend=t.compile_backend, options=options)
+            self.eval_step = EvalStep(loss_sum, compile=t.compile, backend=t.compile_backend)
         self.data = build_data(cfg)
         self.train_data, self.valid_data, self.tokenizer = self.data.train, self.data.valid, self.data.tokenizer
 
     def _single_device_loss_sum(self, flat: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return lm_loss_sum(tree.unflatten_like(self.specs, flat), batch, self.cfg.model)
+        flat = precision.cast(flat, self.compute_dtype)  # fp32 masters, compute copies (autograd casts back)
+        return lm_loss_sum(tree.unflatten_like(self.specs, flat), batch, self.cfg.model, compute=self.cfg.compute)
 
     def _my_micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         micro = self.cfg.train.micro_batch_size
@@ -119,11 +130,26 @@ class Run:
         n_tokens = count_tokens([batch])  # of the whole global batch, whatever this rank's share
         n_tokens = faults.maybe_poison(self.step + 1, n_tokens)
         lr = lr_at(self.step, self.cfg.optim, t.steps)
-        self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state,
-                                                               self._my_micro_batches(batch), lr, n_tokens)
+        scale = self.scaler.scale if self.scaler is not None else None
+        with kernels.use(self.cfg.compute.kernels):
+            self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state,
+                                                                   self._my_micro_batches(batch), lr, n_tokens,
+                                                                   loss_scale=scale)
         self.step += 1
         out = {"loss": float(metrics["loss"]), "lr": lr, "grad_norm": float(metrics["grad_norm"])}
-        if not bool(metrics["finite"]):  # the compiled step did not apply the update
+        finite = bool(metrics["finite"])
+        if self.scaler is not None:
+            self.scaler.update(finite)
+            out["loss_scale"] = scale
+            if not finite:  # fp16: an overflow, expected now and then; not a stop
+                self.skipped_steps += 1
+                out["skipped"] = True
+                if self.parallel is None or self.parallel.rank == 0:
+                    print(f"step {self.step}: fp16 gradients overflowed at loss scale {scale:g}: the update was "
+                          f"skipped; loss scale now {self.scaler.scale:g} ({self.skipped_steps} skipped so far)",
+                          flush=True)
+                return out
+        if not finite:  # the compiled step did not apply the update
             self._nonfinite(metrics)
             out["skipped"] = True
         return out
@@ -163,8 +189,9 @@ class Run:
             if self.pipelined:  # already summed over the pipeline and the data ranks
                 total += self.train_step.eval_sum(self._my_micro_batches(batch))
                 continue
-            for micro in self._my_micro_batches(batch):
-                total += self.eval_step(self.params, micro)
+            with kernels.use(self.cfg.compute.kernels):
+                for micro in self._my_micro_batches(batch):
+                    total += self.eval_step(self.params, micro)
         if self.parallel is not None and not self.pipelined:
             total = self.parallel.sum_over_data(total)
         return float(total) / count
@@ -250,13 +277,19 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
     if t.load_dir and not run.resume(t.load_dir, params_only=t.finetune):
         say(f"no checkpoint under {t.load_dir} yet: starting from step 0")
     flops = model_flops_per_token(run.specs, cfg.model, t.seq_len)
-    peak = device_peak(run.device, torch.float32, t.peak_flops)
+    peak = device_peak(run.device, run.compute_dtype, t.peak_flops)
     say(f"model: {family_name(cfg.model)}, {count_params(run.specs):,} parameters, {flops / 1e6:,.1f} MFLOPs/token; "
         f"device {run.device} x {world}; MFU against {peak.flops / 1e12:.3f} TFLOP/s per device ({peak.source})")
     dp = 1 if parallel is None else parallel.data_size
     say(f"batch: {t.global_batch_size} x {t.seq_len} tokens = micro batch {t.micro_batch_size} x "
         f"{cfg.grad_accum_steps(dp)} accumulation steps x {dp} data-parallel ranks; {t.steps} steps; "
-        f"compile={t.compile}")
+        f"compile={t.compile_backend if t.compile else 'off'}")
+    c = cfg.compute
+    say(f"compute: {c.precision} (fp32 master weights and AdamW state"
+        f"{', dynamic loss scaling' if c.precision == 'fp16' and not c.loss_scale else ''}), gradient reductions in "
+        f"{c.grad_reduce}, recompute {c.recompute}"
+        f"{f' (first {c.recompute_layers} blocks)' if c.recompute != 'none' and c.recompute_layers else ''}, "
+        f"{c.kernels} kernels, cross-entropy {f'in chunks of {c.loss_chunk} tokens' if c.loss_chunk else 'whole'}")
     say(f"data: {run.data.description}")
     log = RunLog(t.log_jsonl, t.tensorboard_dir, tracking.sinks(cfg, to_dict(cfg))) if main else RunLog()
     result = RunResult(run=run)
@@ -269,6 +302,7 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
     spikes = faults.SpikeDetector(t.spike_z)
     rank = 0 if parallel is None else parallel.rank
     beats = None if parallel is None else Heartbeat(rank, world, parallel.spec.coords, parallel.spec.names)
+    reset_peak(run.device)
     while run.step < t.steps:
         faults.maybe_stall(rank, run.step + 1)
         if beats is not None:
@@ -303,6 +337,9 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
             late_rank, late_s = slow
             straggler = f" | straggler: rank {late_rank} began the step {late_s * 1e3:.0f} ms after the first"
             record |= {"straggler_rank": late_rank, "straggler_late_s": late_s}
+        if log_line:
+            record["peak_memory_bytes"] = peak_bytes(run.device)  # the high-water mark since the last log line
+            reset_peak(run.device)
         log.write(record)
         bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.2f}",
                         tok_s=f"{rates['tokens_per_s']:,.0f}", refresh=False)
@@ -312,8 +349,10 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
             meter.interval()
         elif log_line:
             avg = meter.interval()
+            peak_mem = record["peak_memory_bytes"]
             echo(f"step {step:>6} | loss {m['loss']:.4f} | lr {m['lr']:.3e} | grad norm {m['grad_norm']:.3f} | "
-                 f"{avg['tokens_per_s']:,.0f} tokens/s | MFU {100 * avg['mfu']:.2f}%{straggler}")
+                 f"{avg['tokens_per_s']:,.0f} tokens/s | MFU {100 * avg['mfu']:.2f}% | "
+                 f"peak mem {peak_mem / 2**30:.2f} GiB{straggler}")
         if t.save_dir and ((t.save_interval and step % t.save_interval == 0) or step == t.steps):
             result.checkpoint = run.save(t.save_dir)
             echo(f"step {step}: saved checkpoint {result.checkpoint}")

@@ -27,6 +27,11 @@ STRATEGIES = {
     "tp2_sp": dict(mesh="tp=2", sequence_parallel=True),
 }
 BUCKET = 20_000  # elements: the tiny GPT's 120k parameters make several buckets
+# Compiled with inductor (fused C++ kernels); the other strategies with aot_eager: the same
+# AOTAutograd graph with the same collectives, run op by op, which compiles in seconds
+# rather than a minute per rank on 2 CPU cores.
+INDUCTOR_STRATEGIES = ("dp2", "tp2_sp")
+AOT_EAGER = ("train.compile_backend=aot_eager",)
 
 
 def tiny_config(parallel: dict | None = None, compile: bool = True, model: str = "tiny_gpt", extra: tuple = ()):
@@ -59,7 +64,8 @@ def strategies(names: list[str], steps: int) -> dict | None:
     parameters, the number of compiled graphs, the recorded collectives and bucket facts."""
     out = {}
     for name in names:
-        run, par, losses, collectives = _train(tiny_config(STRATEGIES[name]), steps, record=True)
+        extra = () if name in INDUCTOR_STRATEGIES else AOT_EAGER
+        run, par, losses, collectives = _train(tiny_config(STRATEGIES[name], extra=extra), steps, record=True)
         full = {path: t.detach().clone() for path, t in tree.items(run.full_params())}
         out[name] = {"losses": losses, "params": full, "graphs": counters["stats"]["unique_graphs"],
                      "collectives": collectives, "n_params": len(par.layouts),
@@ -70,7 +76,8 @@ def strategies(names: list[str], steps: int) -> dict | None:
 
 def four_ranks(steps: int) -> dict | None:
     """dp2 x tp2 with sequence parallelism and ZeRO-1, on the tiny Llama (GQA, RoPE)."""
-    cfg = tiny_config(dict(mesh="dp=2,tp=2", rules="zero1", sequence_parallel=True), model="tiny_llama")
+    cfg = tiny_config(dict(mesh="dp=2,tp=2", rules="zero1", sequence_parallel=True), model="tiny_llama",
+                      extra=AOT_EAGER)
     run, _, losses, collectives = _train(cfg, steps, record=True)
     full = {path: t.detach().clone() for path, t in tree.items(run.full_params())}
     result = {"losses": losses, "params": full, "graphs": counters["stats"]["unique_graphs"],
@@ -123,7 +130,8 @@ def vocab_parallel_cross_entropy(vocab: int) -> dict:
     return {"logits": logits, "targets": targets, "loss": loss.detach(), "grad": local.grad, "rank": rank}
 
 
-def peak_memory(zero: int, regather: bool = True, d_model: int = 768, n_layers: int = 4, steps: int = 3) -> dict | None:
+def peak_memory(zero: int, regather: bool = True, d_model: int = 768, n_layers: int = 4, steps: int = 3,
+                backend: str = "inductor") -> dict | None:
     """Memory of a compiled step (after warm-up) for a GPT whose parameters dominate memory,
     under ZeRO-``zero`` on dp=2: the state every rank keeps between steps (parameters and
     optimizer moments; exact, from the tensors) and what the step adds on top at its peak
@@ -132,7 +140,7 @@ def peak_memory(zero: int, regather: bool = True, d_model: int = 768, n_layers: 
     cfg = override(load(ROOT / "configs" / "tiny_gpt.py"),
                    ["train.global_batch_size=4", "train.micro_batch_size=2", "train.seq_len=16",
                     f"model.d_model={d_model}", "model.n_heads=8", f"model.n_layers={n_layers}",
-                    "model.max_seq_len=16"])
+                    "model.max_seq_len=16", f"train.compile_backend={backend}"])
     cfg = dataclasses.replace(cfg, parallel=ParallelConfig(mesh="dp=2", zero=zero, zero3_regather=regather))
     par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
     run = Run(cfg, par, device)
@@ -171,3 +179,16 @@ def resume(root: str, steps: int, parallel: dict | None = None, extra: tuple = (
     torch.distributed.all_reduce(same, torch.distributed.ReduceOp.MIN)  # every rank's shards (pp: its stages)
     return {"expected": expected, "got": got, "params_equal": bool(same)} if torch.distributed.get_rank() == 0 \
         else None
+
+
+def precision_variants(steps: int) -> dict | None:
+    """bf16 on dp=2, eagerly: fp32 gradient reductions, bf16 ones, and ZeRO-3."""
+    out = {}
+    for name, parallel, extra in (("dp2", dict(mesh="dp=2"), ()),
+                                  ("dp2_bf16_reduce", dict(mesh="dp=2"), ("compute.grad_reduce=bf16",)),
+                                  ("zero3", dict(mesh="dp=2", rules="zero3"), ())):
+        cfg = tiny_config(parallel, compile=False, extra=("model.vocab_size=256", "compute.precision=bf16", *extra))
+        par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
+        run = Run(cfg, par, device)
+        out[name] = [run.do_step()["loss"] for _ in range(steps)]
+    return out if torch.distributed.get_rank() == 0 else None

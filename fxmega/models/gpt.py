@@ -42,6 +42,8 @@ class Config:
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be positive")
+        if self.d_ff < 0:
+            raise ConfigError(f"{prefix}.d_ff={self.d_ff} must be positive, or 0 for 4 * d_model")
         if self.d_model % self.n_heads:
             divisors = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and h <= 64]
             raise ConfigError(
@@ -95,10 +97,10 @@ EMBED_PARAMS = ("embed",)
 HEAD_PARAMS = ("final_norm", "embed")
 
 
-def attention(p: dict, x: torch.Tensor) -> torch.Tensor:
+def attention(p: dict, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     qkv = layers.project_to_heads(x, p["wqkv"], p["bqkv"])  # [batch, seq, 3, heads, head_dim]
     q, k, v = qkv.unbind(dim=2)
-    out = layers.causal_attention(q, k, v)
+    out = layers.causal_attention(q, k, v, valid=valid)
     return layers.project_from_heads(out, p["wo"], p["bo"])
 
 
@@ -108,15 +110,16 @@ def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     return layers.linear(h, p["w_out"], p["b_out"])
 
 
-def block(p: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """One pre-LN block on the residual stream ``x [batch, seq, embed]``.
+def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """One pre-LN block on the residual stream ``x [batch, seq, embed]`` (``valid``: the
+    padding mask, see ``layers.causal_attention``).
 
     Each sublayer reads the whole sequence (``None``: never split inside a block) and its
     output is brought back to the residual stream's layout: with sequence parallelism that
     is Megatron's all-gather before and reduce-scatter after each sublayer.
     """
     h = shard(layers.layer_norm(x, **p["attn_norm"], eps=cfg.norm_eps), "batch", None, "embed")
-    x = x + shard(attention(p["attn"], h), "batch", "seq", "embed")
+    x = x + shard(attention(p["attn"], h, valid), "batch", "seq", "embed")
     h = shard(layers.layer_norm(x, **p["mlp_norm"], eps=cfg.norm_eps), "batch", None, "embed")
     return x + shard(mlp(p["mlp"], h), "batch", "seq", "embed")
 
@@ -127,16 +130,27 @@ def embed(params: dict, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     return x + shard(params["embed"]["positions"][: tokens.shape[1]], "seq", "embed")
 
 
+def final_hidden(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """The final LayerNorm: what the output projection reads."""
+    return shard(layers.layer_norm(x, **params["final_norm"], eps=cfg.norm_eps), "batch", None, "embed")
+
+
+def output_weight(params: dict) -> torch.Tensor:
+    """The output projection ``[embed, vocab]``: the token embedding, tied."""
+    return params["embed"]["tokens"].t()
+
+
 def head(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Final LayerNorm and the tied output projection onto the vocabulary."""
-    x = shard(layers.layer_norm(x, **params["final_norm"], eps=cfg.norm_eps), "batch", None, "embed")
-    logits = layers.linear(x, params["embed"]["tokens"].t())
+    logits = layers.linear(final_hidden(params, x, cfg), output_weight(params))
     return shard(logits, "batch", None, "vocab")
 
 
-def forward(params: dict, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Logits ``[batch, seq, vocab]`` for ``tokens [batch, seq]``."""
+def forward(params: dict, tokens: torch.Tensor, cfg: Config,
+            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits ``[batch, seq, vocab]`` for ``tokens [batch, seq]``; ``attention_mask
+    [batch, seq]`` (1 for tokens, 0 for padding) for padded batches."""
     x = embed(params, tokens, cfg)
     for p in params["blocks"]:
-        x = block(p, x, cfg)
+        x = block(p, x, cfg, attention_mask)
     return head(params, x, cfg)

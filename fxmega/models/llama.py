@@ -43,6 +43,8 @@ class Config:
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be positive")
+        if self.n_kv_heads < 0:
+            raise ConfigError(f"{prefix}.n_kv_heads={self.n_kv_heads} must be positive, or 0 for n_heads")
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"{prefix}.n_heads={self.n_heads} does not divide {prefix}.d_model={self.d_model}: "
@@ -97,11 +99,11 @@ EMBED_PARAMS = ("embed",)
 HEAD_PARAMS = ("final_norm", "head")
 
 
-def attention(p: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
+def attention(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None) -> torch.Tensor:
     q = layers.project_to_heads(x, p["wq"])
     k = layers.project_to_heads(x, p["wk"])
     v = layers.project_to_heads(x, p["wv"])
-    out = layers.causal_attention(q, k, v, rope_theta=cfg.rope_theta)
+    out = layers.causal_attention(q, k, v, rope_theta=cfg.rope_theta, valid=valid)
     return layers.project_from_heads(out, p["wo"])
 
 
@@ -112,11 +114,11 @@ def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     return layers.linear(h, p["w_down"])
 
 
-def block(p: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
+def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None) -> torch.Tensor:
     """One pre-norm block on the residual stream ``x [batch, seq, embed]``; sublayers read
-    the whole sequence (see ``gpt.block``)."""
+    the whole sequence (see ``gpt.block``); ``valid`` is the padding mask."""
     h = shard(layers.rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps), "batch", None, "embed")
-    x = x + shard(attention(p["attn"], h, cfg), "batch", "seq", "embed")
+    x = x + shard(attention(p["attn"], h, cfg, valid), "batch", "seq", "embed")
     h = shard(layers.rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "batch", None, "embed")
     return x + shard(mlp(p["mlp"], h), "batch", "seq", "embed")
 
@@ -126,15 +128,26 @@ def embed(params: dict, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
     return shard(x, "batch", "seq", "embed")
 
 
+def final_hidden(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """The final RMSNorm: what the output projection reads."""
+    return shard(layers.rms_norm(x, params["final_norm"]["scale"], cfg.norm_eps), "batch", None, "embed")
+
+
+def output_weight(params: dict) -> torch.Tensor:
+    """The (untied) output projection ``[embed, vocab]``."""
+    return params["head"]
+
+
 def head(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Final RMSNorm and the (untied) output projection onto the vocabulary."""
-    x = shard(layers.rms_norm(x, params["final_norm"]["scale"], cfg.norm_eps), "batch", None, "embed")
-    return shard(layers.linear(x, params["head"]), "batch", None, "vocab")
+    """Final RMSNorm and the output projection onto the vocabulary."""
+    return shard(layers.linear(final_hidden(params, x, cfg), output_weight(params)), "batch", None, "vocab")
 
 
-def forward(params: dict, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Logits ``[batch, seq, vocab]`` for ``tokens [batch, seq]``."""
+def forward(params: dict, tokens: torch.Tensor, cfg: Config,
+            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits ``[batch, seq, vocab]`` for ``tokens [batch, seq]``; ``attention_mask
+    [batch, seq]`` (1 for tokens, 0 for padding) for padded batches."""
     x = embed(params, tokens, cfg)
     for p in params["blocks"]:
-        x = block(p, x, cfg)
+        x = block(p, x, cfg, attention_mask)
     return head(params, x, cfg)

@@ -60,23 +60,26 @@ def join_rows(rows: torch.Tensor, shard_shape: tuple[int, ...], dim: int) -> tor
     return t.reshape(full)
 
 
-def all_reduce(tensors: list[torch.Tensor], group: Group) -> list[torch.Tensor]:
-    """Sum ``tensors`` over ``group`` with one collective."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+def all_reduce(tensors: list[torch.Tensor], group: Group, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Sum ``tensors`` over ``group`` with one collective (sent as ``dtype`` if given,
+    returned in each tensor's own dtype)."""
+    flat = torch.cat([t.reshape(-1).to(dtype or t.dtype) for t in tensors])
     flat = funcol.all_reduce(flat, "sum", group)
-    return [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    return [piece.view_as(t).to(t.dtype) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
-def reduce_scatter(tensors: list[torch.Tensor], dims: list[int], world: int, group: Group) -> list[torch.Tensor]:
+def reduce_scatter(tensors: list[torch.Tensor], dims: list[int], world: int, group: Group,
+                   dtype: torch.dtype | None = None) -> list[torch.Tensor]:
     """Sum over ``group`` and keep this rank's slice of each tensor along its dim, with one
-    collective. Returns the shards (shape of each tensor with ``dims[i]`` divided by world)."""
-    packed = torch.cat([split_rows(t, d, world) for t, d in zip(tensors, dims)], dim=1)
+    collective (sent as ``dtype`` if given). Returns the shards (shape of each tensor with
+    ``dims[i]`` divided by world), each in its tensor's dtype."""
+    packed = torch.cat([split_rows(t.to(dtype or t.dtype), d, world) for t, d in zip(tensors, dims)], dim=1)
     mine = _reduce_scatter_single(packed.reshape(-1), "sum", 0, group)
     out = []
     for piece, t, d in zip(mine.split([t.numel() // world for t in tensors]), tensors, dims):
         shape = list(t.shape)
         shape[d] //= world
-        out.append(piece.reshape(shape))  # a row of split_rows is the shard in row-major order
+        out.append(piece.reshape(shape).to(t.dtype))  # a row of split_rows is the shard in row-major order
     return out
 
 

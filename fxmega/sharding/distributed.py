@@ -92,7 +92,8 @@ def setup(cfg, mesh: MeshSpec):  # -> (Parallel, device)
     coords = mesh.coords(rank)
     print(f"rank {rank}: " + ", ".join(f"{a}={coords[a]}" for a in mesh.names) + f" on {device}", flush=True)
     local = local_specs(specs, plan, coords["pp"])
-    return Parallel(plan, device_mesh, rank, local, cfg.parallel.bucket_size, cfg.parallel.zero3_regather), device
+    return Parallel(plan, device_mesh, rank, local, cfg.parallel.bucket_size, cfg.parallel.zero3_regather,
+                    cfg.compute), device
 
 
 def local_specs(specs: dict, plan, pp_rank: int) -> dict:

@@ -1,5 +1,7 @@
 """What a compiled step communicates: every collective in its graphs, with its size and
-process group, recorded by an inductor graph pass while the step compiles.
+process group, recorded while the step compiles — by an inductor graph pass, or, with
+``train.compile_backend=aot_eager``, by fxmega's aot_eager compiler, which shows every graph
+it is handed to the active recorders before running it op by op.
 
     with record_collectives() as graphs:
         run.do_step()          # compiles here
@@ -12,8 +14,9 @@ cached graph would skip the pass).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,11 +87,35 @@ class _Recorder(CustomGraphPass):
         return None  # never cache: the pass must see every graph
 
 
+# Called with each graph fxmega's aot_eager backend compiles (see ``aot_eager_backend``).
+_GRAPH_HOOKS: list[Callable[[torch.fx.Graph], None]] = []
+
+
 @contextlib.contextmanager
 def record_collectives() -> Iterator[list[list[Collective]]]:
     recorder = _Recorder()
-    with torch._inductor.config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
-        yield recorder.graphs
+    _GRAPH_HOOKS.append(recorder)
+    try:
+        with torch._inductor.config.patch(post_grad_custom_post_pass=recorder, fx_graph_cache=False):
+            yield recorder.graphs
+    finally:
+        _GRAPH_HOOKS.remove(recorder)
+
+
+def _inspected_nop(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[..., Any]:
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    for hook in list(_GRAPH_HOOKS):
+        hook(gm.graph)
+    return boxed_nop(gm, example_inputs)
+
+
+def aot_eager_backend() -> Callable[..., Any]:
+    """torch's ``aot_eager`` backend (AOTAutograd's graph, run op by op), with the graphs
+    shown to ``record_collectives`` the way inductor's post-grad pass shows them."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    return functools.partial(aot_eager, fw_compiler=_inspected_nop)
 
 
 def count_by_op(collectives: list[Collective]) -> Counter:

@@ -26,9 +26,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import local_map
 
-from fxmega import tree
+from fxmega import precision, tree
 from fxmega.init import init_tensor
 from fxmega.models import lm_loss_sum
+from fxmega.recompute import checkpointed
 from fxmega.sharding import collectives, layout
 from fxmega.sharding.mesh import DATA_AXES, PHYSICAL_ORDER
 from fxmega.sharding.plan import ParamLayout, ShardingPlan
@@ -40,7 +41,7 @@ class Parallel:
     DeviceMesh, used by ``fxmega.train.Run`` (init, checkpoints) and by the compiled step."""
 
     def __init__(self, plan: ShardingPlan, device_mesh: Any, rank: int, specs: tree.Tree,
-                 bucket_numel: int = 0, regather: bool = True) -> None:
+                 bucket_numel: int = 0, regather: bool = True, compute: Any = None) -> None:
         self.plan = plan
         self.spec = plan.mesh
         self.rank = rank
@@ -51,6 +52,10 @@ class Parallel:
         self.layouts: list[ParamLayout] = tree.leaves(self.layout_tree)
         self.bucket_numel = bucket_numel
         self.regather = regather  # ZeRO-3: gather again in the backward (False keeps them: for measurements)
+        self.compute = compute  # a ComputeConfig: precision, recompute, kernels (None: fp32, no recompute)
+        self.compute_dtype = precision.compute_dtype(compute.precision) if compute is not None else torch.float32
+        reduce_bf16 = compute is not None and compute.grad_reduce == "bf16"
+        self.reduce_dtype = torch.bfloat16 if reduce_bf16 else torch.float32
         self.tp = plan.tp
         self.tp_mesh = device_mesh["tp"] if self.tp > 1 else None
         self._groups: dict[tuple[str, ...], Any] = {}
@@ -71,6 +76,11 @@ class Parallel:
         self._opt_slices = [self._opt_slice(lay) for lay in self.layouts]
 
     # -- groups -----------------------------------------------------------------------
+    @property
+    def gathers_params(self) -> bool:
+        """Whether pieces gather their parameters before running (ZeRO-3 / FSDP)."""
+        return self._gather is not None
+
     def group(self, axes: tuple[str, ...]) -> Any:
         """The process group (as a 1-D mesh) spanning ``axes``."""
         axes = tuple(a for a in PHYSICAL_ORDER if a in axes)
@@ -175,7 +185,9 @@ class Parallel:
         placement = [Shard(lay.tp_dim)] if lay.tp_dim is not None else [Replicate()]
         return DTensor.from_local(local, self.tp_mesh, placement, run_check=False)
 
-    def _call(self, fn: Callable[..., Any], params: Any, lays: Any, *args: Any) -> Any:
+    def _call(self, fn: Callable[..., Any], params: Any, lays: Any, *args: Any, recompute: str = "none") -> Any:
+        """Run one piece of the model on this rank's parameters: cast to the compute dtype,
+        gathered first under ZeRO-3, recomputed in the backward as ``recompute`` says."""
         leaves, leaf_lays = tree.leaves(params), tree.leaves(lays)
 
         def rebuild(ts: list[torch.Tensor]) -> Any:
@@ -183,9 +195,11 @@ class Parallel:
 
         dims = [lay.zero_dim if lay.data_axes["param"] else None for lay in leaf_lays]
         if self._gather is None or all(d is None for d in dims):
-            return fn(rebuild(leaves), *args)
+            return checkpointed(lambda ps, *a: fn(rebuild(precision.cast(ps, self.compute_dtype)), *a),
+                                recompute)(leaves, *args)
         world, group = self._gather
-        return gathered_call(fn, leaves, dims, world, group, rebuild, *args, regather=self.regather)
+        return gathered_call(fn, leaves, dims, world, group, rebuild, *args, regather=self.regather,
+                             recompute=recompute, dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
 
     def loss_sum_fn(self, cfg: Any) -> Callable[[list[torch.Tensor], dict], torch.Tensor]:
         """``(flat local params, local batch) -> this data rank's summed loss`` (a plain
@@ -197,7 +211,7 @@ class Parallel:
                 batch = {k: DTensor.from_local(v, self.tp_mesh, [Replicate()], run_check=False)
                          for k, v in batch.items()}
             with layout.activate(self if self.tp_mesh is not None else None):
-                loss = lm_loss_sum(params, batch, cfg, call=self._call, layouts=self.layout_tree)
+                loss = lm_loss_sum(params, batch, cfg, call=self._call, layouts=self.layout_tree, compute=self.compute)
             if isinstance(loss, DTensor):  # may still be a partial sum over tp: reduce it
                 loss = loss.redistribute(self.tp_mesh, [Replicate()]).to_local()
             return loss
@@ -218,14 +232,15 @@ class Parallel:
         return out
 
     @staticmethod
-    def _run(schedule: list, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _run(schedule: list, tensors: list[torch.Tensor],
+             reduce_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         out = list(tensors)
         for op, group, world, members, dims in schedule:
             chunk = [tensors[i] for i in members]
             if op == "all_reduce":
-                results = collectives.all_reduce(chunk, group)
+                results = collectives.all_reduce(chunk, group, reduce_dtype)
             elif op == "reduce_scatter":
-                results = collectives.reduce_scatter(chunk, dims, world, group)
+                results = collectives.reduce_scatter(chunk, dims, world, group, reduce_dtype)
             else:
                 results = collectives.all_gather(chunk, dims, world, group)
             for i, r in zip(members, results):
@@ -235,12 +250,13 @@ class Parallel:
     def micro_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per micro batch: reduce-scatter where gradients are sharded beyond the parameters
         (ZeRO-2's dp). What stays is accumulated locally."""
-        return self._run(self._micro_schedule, grads)
+        return self._run(self._micro_schedule, grads, self.reduce_dtype)
 
     def final_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """After the last micro batch: reduce-scatter onto the optimizer shards (ZeRO-1's dp)
         and all-reduce over the data axes that hold replicas (plain data parallelism)."""
-        return self._run(self._replica_schedule, self._run(self._scatter_schedule, grads))
+        reduce = self.reduce_dtype
+        return self._run(self._replica_schedule, self._run(self._scatter_schedule, grads, reduce), reduce)
 
     def _opt_slice(self, lay: ParamLayout) -> tuple[int, int, int] | None:
         extra = [a for a in lay.data_axes["opt"] if a not in lay.data_axes["param"]]

@@ -24,6 +24,7 @@ import torch
 import torch.fx.traceback
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from fxmega import recompute as block_recompute
 from fxmega.sharding.collectives import all_gather, reduce_scatter
 
 
@@ -55,46 +56,82 @@ def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE
 
 
+def _with_mode(mode: str) -> Callable[..., CheckpointPolicy]:
+    """The gather policy combined with a block recompute mode (``fxmega.recompute``): the
+    gathers are recomputed in any case; everything else as the mode says."""
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func in _RECOMPUTE or getattr(func, "is_view", False):
+            return CheckpointPolicy.MUST_RECOMPUTE
+        return block_recompute.POLICIES[mode](ctx, func, *args, **kwargs)
+    return policy
+
+
+_POLICIES = {"none": _policy, "selective": _with_mode("selective"), "full": _with_mode("full")}
+
+
+# Module level on purpose: a context_fn defined inside the compiled function is not
+# supported by dynamo.
 def _context() -> Any:
-    # Module level on purpose: a context_fn defined inside the compiled function is not
-    # supported by dynamo.
-    return create_selective_checkpoint_contexts(_policy)
+    return create_selective_checkpoint_contexts(_POLICIES["none"])
+
+
+def _selective_context() -> Any:
+    return create_selective_checkpoint_contexts(_POLICIES["selective"])
+
+
+def _full_context() -> Any:
+    return create_selective_checkpoint_contexts(_POLICIES["full"])
+
+
+_CONTEXTS = {"none": _context, "selective": _selective_context, "full": _full_context}
 
 
 class GatherShards(torch.autograd.Function):
-    """All-gather shards (each along its own dim) in one collective; backward reduce-scatters
-    the gradients the same way."""
+    """All-gather shards (each along its own dim) in one collective, cast to the compute
+    dtype first (a bf16 run gathers half the bytes, like FSDP2's ``param_dtype``); backward
+    reduce-scatters the gradients the same way, in ``reduce_dtype``, and hands back
+    gradients in the shards' own (fp32) dtype."""
 
     @staticmethod
-    def forward(ctx: Any, dims: tuple[int, ...], world: int, group: Any, *shards: torch.Tensor) -> tuple:
-        ctx.dims, ctx.world, ctx.group = dims, world, group
-        return tuple(all_gather(list(shards), list(dims), world, group))
+    def forward(ctx: Any, dims: tuple[int, ...], world: int, group: Any, dtype: torch.dtype,
+                reduce_dtype: torch.dtype, *shards: torch.Tensor) -> tuple:
+        ctx.dims, ctx.world, ctx.group, ctx.reduce_dtype = dims, world, group, reduce_dtype
+        ctx.shard_dtypes = [s.dtype for s in shards]
+        return tuple(all_gather([s.to(dtype) for s in shards], list(dims), world, group))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple:
         # Traced apart from the rest of the backward, so it must carry the backward-phase
         # annotation itself, or the backward splits into regions the recompute pass refuses.
         with backward_phase():
-            shards = reduce_scatter(list(grads), list(ctx.dims), ctx.world, ctx.group)
-        return (None, None, None, *shards)
+            shards = reduce_scatter(list(grads), list(ctx.dims), ctx.world, ctx.group, ctx.reduce_dtype)
+        return (None, None, None, None, None, *(s.to(d) for s, d in zip(shards, ctx.shard_dtypes)))
 
 
 def gathered_call(fn: Callable[..., Any], leaves: list[torch.Tensor], dims: list[int | None], world: int,
-                  group: Any, rebuild: Callable[[list[torch.Tensor]], Any], *args: Any, regather: bool = True) -> Any:
+                  group: Any, rebuild: Callable[[list[torch.Tensor]], Any], *args: Any, regather: bool = True,
+                  recompute: str = "none", dtype: torch.dtype = torch.float32,
+                  reduce_dtype: torch.dtype = torch.float32) -> Any:
     """``fn(rebuild(full_leaves), *args)`` with the sharded leaves (``dims[i]`` not None)
-    gathered inside a checkpoint that recomputes the gather in the backward. ``regather=False``
-    skips the checkpoint (the gathered parameters then stay alive until the backward; kept
-    for measuring what the recompute saves)."""
+    gathered inside a checkpoint that recomputes the gather in the backward, and all leaves
+    cast to ``dtype``. ``recompute`` adds a block recompute mode to the same checkpoint.
+    ``regather=False`` skips the checkpoint (the gathered parameters then stay alive until
+    the backward; kept for measuring what the recompute saves)."""
     sharded = [i for i, d in enumerate(dims) if d is not None]
 
     def run(*flat: Any) -> Any:
         call_args, params = flat[:len(args)], list(flat[len(args):])
+        params = [p if dims[i] is not None else p.to(dtype) for i, p in enumerate(params)]
         if sharded:
-            full = GatherShards.apply(tuple(dims[i] for i in sharded), world, group, *(params[i] for i in sharded))
+            full = GatherShards.apply(tuple(dims[i] for i in sharded), world, group, dtype, reduce_dtype,
+                                      *(params[i] for i in sharded))
             for i, t in zip(sharded, full):
                 params[i] = t
         return fn(rebuild(params), *call_args)
 
     if not regather:
+        if recompute != "none":
+            raise ValueError("parallel.zero3_regather=false keeps gathered parameters for measurements; "
+                             "it does not combine with compute.recompute")
         return run(*args, *leaves)
-    return checkpoint(run, *args, *leaves, use_reentrant=False, context_fn=_context)
+    return checkpoint(run, *args, *leaves, use_reentrant=False, context_fn=_CONTEXTS[recompute])
