@@ -183,13 +183,13 @@ class Run:
         t = self.cfg.train
         total = torch.zeros((), device=self.device)
         count = 0
-        for i in range(t.eval_iters):
-            batch = self.valid_data.global_batch(i, t.global_batch_size)
-            count += batch["targets"].numel()
-            if self.pipelined:  # already summed over the pipeline and the data ranks
-                total += self.train_step.eval_sum(self._my_micro_batches(batch))
-                continue
-            with kernels.use(self.cfg.compute.kernels):
+        with kernels.use(self.cfg.compute.kernels):  # as in training: the compiled stages are shared
+            for i in range(t.eval_iters):
+                batch = self.valid_data.global_batch(i, t.global_batch_size)
+                count += batch["targets"].numel()
+                if self.pipelined:  # already summed over the pipeline and the data ranks
+                    total += self.train_step.eval_sum(self._my_micro_batches(batch))
+                    continue
                 for micro in self._my_micro_batches(batch):
                     total += self.eval_step(self.params, micro)
         if self.parallel is not None and not self.pipelined:

@@ -186,3 +186,17 @@ def test_padded_batch_attention_equals_each_sequence_alone(model):
     assert torch.isfinite(padded).all()
     unmasked = module.forward(params, tokens, cfg)
     torch.testing.assert_close(unmasked, module.forward(params, tokens, cfg, valid.new_ones(valid.shape)))
+
+
+def test_pipeline_bf16_with_recompute_and_fp16_match_one_device():
+    """pp=2 (eager): bf16 with full recompute tracks one bf16 device, fp16 (loss scaled
+    through the schedule's loss function) tracks fp32."""
+    from tests.sharding_workers import tiny_config
+
+    runs = [("bf16", dict(mesh="pp=2"), False, ("compute.precision=bf16", "compute.recompute=full")),
+            ("fp16", dict(mesh="pp=2"), False, ("compute.precision=fp16", "compute.initial_loss_scale=4096"))]
+    got = run_ranks(2, "tests.pipeline_workers:pipelined", runs, 4)[0]
+    for name, extra in (("bf16", ("compute.precision=bf16",)), ("fp16", ())):
+        ref = Run(tiny_config(compile=False, extra=("model.n_layers=4", *extra)))
+        ref_losses = [ref.do_step()["loss"] for _ in range(4)]
+        assert max(abs(a - b) for a, b in zip(got[name]["losses"], ref_losses)) < 1e-3, (name, got[name], ref_losses)
