@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from fxmega.config import RunConfig, load, override
 from fxmega.errors import ConfigError, FxmegaError
@@ -86,8 +88,9 @@ SWITCHES = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="run.py", description="Train (default) or inspect a model described by a Python config file.")
-    parser.add_argument("command", nargs="?", default="train", choices=["train", "summary", "convert"],
-                        help="train (default); summary: print the model summary and exit; convert: Hugging Face "
+    parser.add_argument("command", nargs="?", default="train", choices=["train", "summary", "convert", "eval"],
+                        help="train (default); eval: loss and perplexity of --load CKPT on the validation "
+                             "split; summary: print the model summary and exit; convert: Hugging Face "
                              "<-> fxmega checkpoints (--from-hf DIR --save CKPT, or --load CKPT --to-hf DIR)")
     parser.add_argument("--config", help="Python config file setting `config = RunConfig(...)`")
     parser.add_argument("--from-hf", metavar="DIR", help="convert: a Hugging Face model directory to import")
@@ -152,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg.validate(plan.mesh.data_size)
             print(plan.explain())
             return 0
-        return _train(cfg, argv, progress=not args.no_progress)
+        if args.command == "eval":
+            return _on_mesh(cfg, argv, _eval)
+        return _on_mesh(cfg, argv, lambda c, par, dev: _train_job(c, par, dev, not args.no_progress))
     except FxmegaError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -201,20 +206,40 @@ def _convert(args: argparse.Namespace) -> int:
     raise ConfigError("convert needs --from-hf/--from-orbax DIR --save CKPT, or --load CKPT --to-hf/--to-orbax DIR")
 
 
-def _train(cfg: RunConfig, argv: list[str], progress: bool) -> int:
+def _train_job(cfg: RunConfig, parallel: Any, device: Any, progress: bool) -> None:
+    from fxmega.train import train
+
+    train(cfg, progress=progress, parallel=parallel, device=device)
+
+
+def _eval(cfg: RunConfig, parallel: Any, device: Any) -> None:
+    import json
+
+    from fxmega.evaluate import evaluate_checkpoint, report
+
+    result = evaluate_checkpoint(cfg, parallel, device)
+    if parallel is None or parallel.rank == 0:
+        print(report(result), flush=True)
+        if cfg.train.log_jsonl:
+            with open(cfg.train.log_jsonl, "a") as f:
+                f.write(json.dumps(result) + "\n")
+
+
+def _on_mesh(cfg: RunConfig, argv: list[str], job: Callable[[RunConfig, Any, Any], None]) -> int:
+    """Run ``job(cfg, parallel, device)`` in this process (one device), on ranks started
+    with torch.distributed.run (a mesh larger than 1 outside a launcher), or as this rank."""
     from fxmega.sharding import distributed
     from fxmega.sharding.mesh import MeshSpec
-    from fxmega.train import train
 
     mesh = MeshSpec.parse(cfg.parallel.mesh)
     if not distributed.under_launcher():
         if mesh.world_size > 1:
             return distributed.relaunch(mesh.world_size, argv)
-        train(cfg, progress=progress)
+        job(cfg, None, None)
         return 0
     parallel, device = distributed.setup(cfg, mesh)
     try:
-        train(cfg, progress=progress, parallel=parallel, device=device)
+        job(cfg, parallel, device)
     except FxmegaError as e:
         # the group may be broken (a timed-out collective closes gloo's connections): no
         # barrier, no teardown that could hang; say what happened and leave

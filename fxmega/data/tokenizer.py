@@ -107,6 +107,10 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode([int(i) for i in ids])
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a special token such as ``[MASK]``, or None if the vocabulary lacks it."""
+        return self._tok.token_to_id(token)
+
 
 class SentencePieceTokenizer:
     """A SentencePiece ``.model`` (Llama-2, T5 and many others)."""

@@ -1,0 +1,50 @@
+"""`run.py eval`: loss and perplexity of a checkpoint on held-out data, the same on one device
+and on a sharded mesh; perplexity is exp(mean loss)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fxmega.cli import main
+from fxmega.config import load, override
+from fxmega.train import Run
+from tests.conftest import ROOT
+
+ARGS = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--mock-data", "--no-progress", "--no-compile",
+        "--micro-batch-size", "4", "--eval-iters", "3"]
+
+
+def test_eval_of_a_checkpoint_on_one_device_and_on_tp2(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert main([*ARGS, "--steps", "5", "--save", str(ckpt)]) == 0
+    single = tmp_path / "single.jsonl"
+    assert main(["eval", *ARGS, "--load", str(ckpt), "--log-jsonl", str(single)]) == 0
+    result = json.loads(single.read_text())
+    assert result["perplexity"] == pytest.approx(math.exp(result["loss"]), rel=1e-12)
+    assert result["tokens"] == 3 * 8 * 32
+
+    # the same number as the trained run's own evaluation
+    cfg = override(load(ROOT / "configs" / "tiny_gpt.py"),
+                   ["data.source=mock", "train.compile=false", "train.micro_batch_size=4", "train.eval_iters=3"])
+    run = Run(cfg)
+    assert run.resume(str(ckpt))
+    assert result["loss"] == pytest.approx(run.evaluate(), rel=1e-6)
+
+    sharded = tmp_path / "tp2.jsonl"
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "eval", *ARGS, "--load", str(ckpt), "--mesh", "tp=2",
+                           "--log-jsonl", str(sharded)], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "perplexity" in proc.stdout
+    assert json.loads(sharded.read_text())["loss"] == pytest.approx(result["loss"], rel=1e-5)
+
+
+def test_eval_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
+    assert main(["eval", *ARGS]) == 2
+    assert "eval needs a checkpoint: --load CKPT" in capsys.readouterr().err
+    assert main(["eval", *ARGS, "--load", str(tmp_path / "nothing")]) == 2
+    assert "no checkpoint there" in capsys.readouterr().err
