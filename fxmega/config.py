@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from fxmega.errors import ConfigError
-from fxmega.models import gpt, llama
+from fxmega.models import bert, gpt, llama
 
 # torch.compile backends a run may use: inductor generates fused kernels; aot_eager traces
 # the same forward+backward graph (collectives included) and runs it op by op, which
@@ -129,7 +129,7 @@ class ComputeConfig:
     loss_chunk: int = 0  # tokens per cross-entropy chunk: fp32 logits exist for one chunk at a time; 0: whole batch
 
 
-ModelConfig = gpt.Config | llama.Config
+ModelConfig = gpt.Config | llama.Config | bert.Config
 
 
 @dataclass(frozen=True)
@@ -269,8 +269,8 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _validate(cfg: RunConfig, dp: int | None) -> None:
-    if not isinstance(cfg.model, (gpt.Config, llama.Config)):
-        raise ConfigError(f"model must be a gpt.Config or llama.Config, got {type(cfg.model).__name__}")
+    if not isinstance(cfg.model, (gpt.Config, llama.Config, bert.Config)):
+        raise ConfigError(f"model must be a gpt.Config, llama.Config or bert.Config, got {type(cfg.model).__name__}")
     cfg.model.validate("model")
     t, o, d = cfg.train, cfg.optim, cfg.data
     for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len", "eval_iters", "log_interval"):

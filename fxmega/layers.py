@@ -10,6 +10,8 @@ Activation layouts use the names batch, seq, embed, heads, kv_heads, head_dim, m
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -166,3 +168,69 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: to
     if loss_mask is not None:
         per_token = per_token * loss_mask
     return per_token.sum()
+
+
+# ---- decoding with a KV cache -------------------------------------------------------------
+# A cache is one (k, v) pair per layer, each ``[batch, max_len, kv_heads, head_dim]`` and
+# preallocated for the whole generation. Batched prompts are left-padded, so every row writes
+# its new tokens at the same slots (one slice per step, no per-row scatter) while each row keeps
+# its own positions (slot minus that row's padding): a prompt then sees exactly the positions
+# and keys it would see alone.
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+class CacheWrite(NamedTuple):
+    """What one forward pass over new tokens needs in every layer: where they go in the cache
+    (``start``), their positions in their own sequences, and what each may attend to."""
+
+    start: int  # cache slot of the first new token (the same for every row)
+    positions: torch.Tensor  # [batch, new] each new token's position in its own sequence
+    mask: torch.Tensor  # [batch, 1, new, max_len] True where the query may read the slot
+    cos: torch.Tensor | None  # [batch, new, head_dim] rotary tables at ``positions``, or None
+    sin: torch.Tensor | None
+
+
+def cache_write(start: int, new: int, max_len: int, pad: torch.Tensor, head_dim: int = 0,
+                rope_theta: float | None = None) -> CacheWrite:
+    """The ``CacheWrite`` for ``new`` tokens at slots ``[start, start + new)`` of rows whose first
+    ``pad[b]`` slots are left padding. A query reads the slots up to its own (causal, and never
+    the unwritten ones after it) from the row's first real token on; a padding query also reads
+    itself, so that no softmax row is all-masked (NaN). With ``rope_theta`` the rotary tables
+    are built once here for all layers."""
+    device = pad.device
+    slots = torch.arange(start, start + new, device=device)
+    positions = (slots[None, :] - pad[:, None]).clamp(min=0)
+    keys = torch.arange(max_len, device=device)
+    causal = (keys[None, :] <= slots[:, None])[None]  # [1, new, max_len]
+    real = keys[None, None, :] >= pad[:, None, None]  # [batch, 1, max_len]: not left padding
+    itself = (keys[None, :] == slots[:, None])[None]  # [1, new, max_len]
+    mask = (causal & real) | itself
+    cos = sin = None
+    if rope_theta is not None:
+        # a table from position 0 indexed per row: the same values rope_cos_sin(start=...) gives
+        cos, sin = rope_cos_sin(max_len, head_dim, rope_theta, device)
+        cos, sin = cos[positions], sin[positions]
+    return CacheWrite(start, positions, mask[:, None], cos, sin)
+
+
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KV,
+                     write: CacheWrite) -> tuple[torch.Tensor, KV]:
+    """Attention of new tokens over a KV cache: ``q [batch, new, heads, head_dim]``, ``k``, ``v``
+    with possibly fewer (grouped) heads. Rotates q and k when ``write`` has rotary tables, writes
+    k and v into the cache at ``write.start``, and attends over the whole cache under
+    ``write.mask``. Returns the output and the new cache; the old one is not modified
+    (``slice_scatter`` copies, like JAX's ``dynamic_update_slice``). One device only: this runs
+    outside any sharding plan."""
+    if write.cos is not None:
+        cos, sin = write.cos[:, :, None, :].to(q.dtype), write.sin[:, :, None, :].to(q.dtype)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    cache_k, cache_v = kv
+    end = write.start + q.shape[1]
+    cache_k = torch.slice_scatter(cache_k, k.to(cache_k.dtype), dim=1, start=write.start, end=end)
+    cache_v = torch.slice_scatter(cache_v, v.to(cache_v.dtype), dim=1, start=write.start, end=end)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), cache_k.to(q.dtype).transpose(1, 2), cache_v.to(q.dtype).transpose(1, 2),
+        attn_mask=write.mask, enable_gqa=cache_k.shape[2] != q.shape[2],
+    )
+    return out.transpose(1, 2), (cache_k, cache_v)

@@ -111,6 +111,17 @@ class Run:
             self.eval_step = EvalStep(loss_sum, compile=t.compile, backend=t.compile_backend)
         self.data = build_data(cfg)
         self.train_data, self.valid_data, self.tokenizer = self.data.train, self.data.valid, self.data.tokenizer
+        if family_name(cfg.model) == "bert":  # BERT pre-trains as a masked LM over the same token sources
+            from fxmega.data.batches import MockTokens
+            from fxmega.data.mlm import MaskedLM, specials_for
+
+            specials = specials_for(self.tokenizer, cfg.model.vocab_size)
+            if cfg.data.source == "mock":  # synthetic ids below the three reserved for the specials
+                self.train_data, self.valid_data = (MockTokens(cfg.model.vocab_size - 3, t.seq_len, t.seed, split)
+                                                    for split in ("train", "valid"))
+            self.train_data, self.valid_data = (
+                MaskedLM(source, specials, cfg.model.vocab_size, t.seq_len, t.seed, split)
+                for source, split in ((self.train_data, "train"), (self.valid_data, "valid")))
 
     def _single_device_loss_sum(self, flat: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
         flat = precision.cast(flat, self.compute_dtype)  # fp32 masters, compute copies (autograd casts back)
@@ -186,7 +197,7 @@ class Run:
         with kernels.use(self.cfg.compute.kernels):  # as in training: the compiled stages are shared
             for i in range(t.eval_iters):
                 batch = self.valid_data.global_batch(i, t.global_batch_size)
-                count += batch["targets"].numel()
+                count += int(batch["loss_mask"].sum()) if "loss_mask" in batch else batch["targets"].numel()
                 if self.pipelined:  # already summed over the pipeline and the data ranks
                     total += self.train_step.eval_sum(self._my_micro_batches(batch))
                     continue

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from fxmega import layers, losses, recompute
-from fxmega.models import gpt, llama
+from fxmega.models import bert, gpt, llama
 
-FAMILIES: dict[str, ModuleType] = {"gpt": gpt, "llama": llama}
+FAMILIES: dict[str, ModuleType] = {"gpt": gpt, "llama": llama, "bert": bert}
 
 
 def model_for(cfg: object) -> ModuleType:
@@ -69,6 +69,15 @@ def head_loss_sum(model: ModuleType) -> Callable[..., torch.Tensor]:
     return run
 
 
+def mlm_loss_sum(params: dict, inputs: torch.Tensor, cfg: object, token_types: torch.Tensor | None,
+                 attention_mask: torch.Tensor | None, targets: torch.Tensor,
+                 loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """BERT's masked-LM loss: summed cross-entropy over the masked positions."""
+    hidden = bert.forward(params, inputs, cfg, token_types, attention_mask)
+    return layers.cross_entropy_sum(bert.mlm_logits(params, hidden, cfg), targets, loss_mask,
+                                    vocab_size=cfg.vocab_size)
+
+
 def lm_loss_sum(params: dict, batch: dict[str, torch.Tensor], cfg: object, call: PieceCall | None = None,
                 layouts: dict | None = None, compute: Any = None) -> torch.Tensor:
     """Summed next-token cross-entropy of ``batch`` (``inputs``, ``targets``, optional
@@ -78,6 +87,17 @@ def lm_loss_sum(params: dict, batch: dict[str, torch.Tensor], cfg: object, call:
     With ``call`` the model runs piece by piece (see ``hidden_by_pieces``); ``compute`` (a
     ``ComputeConfig``) adds block recompute and the chunked loss (``loss_chunk``)."""
     model = model_for(cfg)
+    if model is bert:  # masked LM; the whole model is one piece (one ZeRO-3 gather)
+        if compute is not None and (compute.recompute != "none" or compute.loss_chunk):
+            from fxmega.errors import ConfigError
+
+            raise ConfigError("compute.recompute and compute.loss_chunk are not implemented for BERT yet: "
+                              "set them to none / 0")
+        args = (batch["inputs"], cfg, batch.get("token_types"), batch.get("attention_mask"), batch["targets"],
+                batch.get("loss_mask"))
+        if call is None:
+            return mlm_loss_sum(params, *args)
+        return call(mlm_loss_sum, params, layouts, *args)
     if call is None:
         if compute is None or (compute.recompute == "none" and not compute.loss_chunk):
             logits = model.forward(params, batch["inputs"], cfg, batch.get("attention_mask"))

@@ -97,9 +97,15 @@ EMBED_PARAMS = ("embed",)
 HEAD_PARAMS = ("final_norm", "embed")
 
 
-def attention(p: dict, x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def attention(p: dict, x: torch.Tensor, valid: torch.Tensor | None = None, cache: layers.KV | None = None,
+              write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
+    """Causal self-attention; with ``cache`` and ``write`` (decoding, see ``decode_forward``)
+    it attends over the cache instead and also returns the updated cache."""
     qkv = layers.project_to_heads(x, p["wqkv"], p["bqkv"])  # [batch, seq, 3, heads, head_dim]
     q, k, v = qkv.unbind(dim=2)
+    if cache is not None:
+        out, cache = layers.cached_attention(q, k, v, cache, write)
+        return layers.project_from_heads(out, p["wo"], p["bo"]), cache
     out = layers.causal_attention(q, k, v, valid=valid)
     return layers.project_from_heads(out, p["wo"], p["bo"])
 
@@ -110,23 +116,33 @@ def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     return layers.linear(h, p["w_out"], p["b_out"])
 
 
-def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None) -> torch.Tensor:
+def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None, cache: layers.KV | None = None,
+          write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """One pre-LN block on the residual stream ``x [batch, seq, embed]`` (``valid``: the
-    padding mask, see ``layers.causal_attention``).
+    padding mask, see ``layers.causal_attention``). With ``cache`` and ``write`` it decodes
+    (see ``decode_forward``) and returns ``(x, updated cache)``.
 
     Each sublayer reads the whole sequence (``None``: never split inside a block) and its
     output is brought back to the residual stream's layout: with sequence parallelism that
     is Megatron's all-gather before and reduce-scatter after each sublayer.
     """
     h = shard(layers.layer_norm(x, **p["attn_norm"], eps=cfg.norm_eps), "batch", None, "embed")
-    x = x + shard(attention(p["attn"], h, valid), "batch", "seq", "embed")
+    if cache is not None:
+        a, cache = attention(p["attn"], h, cache=cache, write=write)
+    else:
+        a = attention(p["attn"], h, valid)
+    x = x + shard(a, "batch", "seq", "embed")
     h = shard(layers.layer_norm(x, **p["mlp_norm"], eps=cfg.norm_eps), "batch", None, "embed")
-    return x + shard(mlp(p["mlp"], h), "batch", "seq", "embed")
+    x = x + shard(mlp(p["mlp"], h), "batch", "seq", "embed")
+    return x if cache is None else (x, cache)
 
 
-def embed(params: dict, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
-    """Token plus position embeddings: the residual stream's start."""
+def embed(params: dict, tokens: torch.Tensor, cfg: Config, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Token plus position embeddings: the residual stream's start. ``positions [batch, seq]``
+    (decoding) picks each token's position; by default they are 0, 1, 2, ..."""
     x = shard(torch.nn.functional.embedding(tokens, params["embed"]["tokens"]), "batch", "seq", "embed")
+    if positions is not None:
+        return x + params["embed"]["positions"][positions]
     return x + shard(params["embed"]["positions"][: tokens.shape[1]], "seq", "embed")
 
 
@@ -154,3 +170,27 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config,
     for p in params["blocks"]:
         x = block(p, x, cfg, attention_mask)
     return head(params, x, cfg)
+
+
+def init_cache(cfg: Config, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> list[layers.KV]:
+    """An empty KV cache: per layer ``(k, v)``, each ``[batch, max_len, heads, head_dim]``."""
+    shape = (batch, max_len, cfg.n_heads, cfg.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.n_layers)]
+
+
+def decode_forward(params: dict, tokens: torch.Tensor, cfg: Config, cache: list[layers.KV], start: int,
+                   pad: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, list[layers.KV]]:
+    """``forward`` for ``tokens [batch, new]`` written at cache slots ``[start, start + new)``:
+    the whole (left-padded) prompt at once, then one token per step. ``pad [batch]`` counts
+    each row's left padding (position = slot - pad). Returns the logits ``[batch, new, vocab]``
+    (``last_only``: ``[batch, 1, vocab]``) and the new cache; ``cache`` itself is unchanged."""
+    pad = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device) if pad is None else pad
+    write = layers.cache_write(start, tokens.shape[1], cache[0][0].shape[1], pad)
+    x = embed(params, tokens, cfg, write.positions)
+    new_cache = []
+    for p, kv in zip(params["blocks"], cache, strict=True):
+        x, kv = block(p, x, cfg, cache=kv, write=write)
+        new_cache.append(kv)
+    return head(params, x[:, -1:] if last_only else x, cfg), new_cache

@@ -99,10 +99,17 @@ EMBED_PARAMS = ("embed",)
 HEAD_PARAMS = ("final_norm", "head")
 
 
-def attention(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None) -> torch.Tensor:
+def attention(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,
+              cache: layers.KV | None = None,
+              write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
+    """Causal self-attention with rotary positions; with ``cache`` and ``write`` (decoding, see
+    ``decode_forward``) it attends over the cache instead and also returns the updated cache."""
     q = layers.project_to_heads(x, p["wq"])
     k = layers.project_to_heads(x, p["wk"])
     v = layers.project_to_heads(x, p["wv"])
+    if cache is not None:  # the rotary tables come with ``write``, at each row's positions
+        out, cache = layers.cached_attention(q, k, v, cache, write)
+        return layers.project_from_heads(out, p["wo"]), cache
     out = layers.causal_attention(q, k, v, rope_theta=cfg.rope_theta, valid=valid)
     return layers.project_from_heads(out, p["wo"])
 
@@ -114,13 +121,20 @@ def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     return layers.linear(h, p["w_down"])
 
 
-def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None) -> torch.Tensor:
+def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None, cache: layers.KV | None = None,
+          write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """One pre-norm block on the residual stream ``x [batch, seq, embed]``; sublayers read
-    the whole sequence (see ``gpt.block``); ``valid`` is the padding mask."""
+    the whole sequence (see ``gpt.block``); ``valid`` is the padding mask. With ``cache`` and
+    ``write`` it decodes (see ``decode_forward``) and returns ``(x, updated cache)``."""
     h = shard(layers.rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps), "batch", None, "embed")
-    x = x + shard(attention(p["attn"], h, cfg, valid), "batch", "seq", "embed")
+    if cache is not None:
+        a, cache = attention(p["attn"], h, cfg, cache=cache, write=write)
+    else:
+        a = attention(p["attn"], h, cfg, valid)
+    x = x + shard(a, "batch", "seq", "embed")
     h = shard(layers.rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "batch", None, "embed")
-    return x + shard(mlp(p["mlp"], h), "batch", "seq", "embed")
+    x = x + shard(mlp(p["mlp"], h), "batch", "seq", "embed")
+    return x if cache is None else (x, cache)
 
 
 def embed(params: dict, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
@@ -151,3 +165,27 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config,
     for p in params["blocks"]:
         x = block(p, x, cfg, attention_mask)
     return head(params, x, cfg)
+
+
+def init_cache(cfg: Config, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> list[layers.KV]:
+    """An empty KV cache: per layer ``(k, v)``, each ``[batch, max_len, kv_heads, head_dim]``
+    (grouped heads are cached once per group, not repeated per query head)."""
+    shape = (batch, max_len, cfg.kv_heads, cfg.head_dim)
+    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.n_layers)]
+
+
+def decode_forward(params: dict, tokens: torch.Tensor, cfg: Config, cache: list[layers.KV], start: int,
+                   pad: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, list[layers.KV]]:
+    """``forward`` for ``tokens [batch, new]`` written at cache slots ``[start, start + new)``,
+    rotated at their absolute positions (slot - ``pad[b]``, each row's left padding); see
+    ``gpt.decode_forward``. Returns the logits and the new cache."""
+    pad = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device) if pad is None else pad
+    write = layers.cache_write(start, tokens.shape[1], cache[0][0].shape[1], pad, cfg.head_dim, cfg.rope_theta)
+    x = embed(params, tokens, cfg)
+    new_cache = []
+    for p, kv in zip(params["blocks"], cache, strict=True):
+        x, kv = block(p, x, cfg, cache=kv, write=write)
+        new_cache.append(kv)
+    return head(params, x[:, -1:] if last_only else x, cfg), new_cache

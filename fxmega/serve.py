@@ -1,0 +1,379 @@
+"""A small HTTP completion server on the standard library (``http.server``, no dependencies).
+
+``POST /v1/completions`` takes and answers OpenAI's text-completion JSON; ``GET /health``
+says the server is up. The model is any ``generate_fn(prompts, max_new_tokens, temperature,
+top_k, top_p, stop_tokens, seed) -> new tokens per prompt``; for an fxmega model that is
+``functools.partial(generate_cached, model, params, cfg)``, which stops at a stop token without
+returning it (see ``fxmega.generate``)::
+
+    server = serve(partial(generate_cached, gpt, params, cfg), ByteTokenizer(), port=8000,
+                   max_context=cfg.max_seq_len)
+    ...
+    server.stop()
+
+Status codes: 400 for a body that is not JSON or a field that is missing, ill-typed or out of
+range, including a prompt longer than ``max_prompt_tokens`` or one that leaves no room for
+``max_tokens`` in the model's context (400, as OpenAI answers context-length errors: the
+request is well-formed bytes with a wrong value, while 413 is about the body's size); 404 for
+an unknown path, 405 for a method the path does not take; 411 without a Content-Length; 413
+for a body over ``max_body_bytes``; 500 when the generator fails. Every error body is
+``{"error": {"message", "type", "param", "code"}}`` with a message naming the field and the fix.
+
+Stop strings: each one that is a single token also stops generation early; all of them are
+matched on the decoded text, which is cut before the first match (OpenAI's semantics: the
+stop string is not returned). The tokenizer's end-of-document id, when it has one, stops too.
+Generations run one at a time (a lock), so concurrent requests queue instead of competing for
+the device's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import secrets
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+GenerateFn = Callable[..., list[list[int]]]
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for."""
+
+    max_prompt_tokens: int = 512  # per prompt
+    max_new_tokens: int = 256  # the largest max_tokens
+    max_context: int | None = None  # prompt + max_tokens (the model's max_seq_len); None: unchecked
+    max_prompts: int = 16  # prompts in one list
+    max_stop: int = 4  # stop strings, as OpenAI allows
+    max_body_bytes: int = 1 << 20
+
+
+# fields of OpenAI's API this server does not implement, with the values that mean "off" (or null):
+# a request asking for them is refused rather than silently answered without them
+UNSUPPORTED = {"stream": (False,), "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (), "suffix": (),
+               "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},)}
+# a body this much over the limit is still read (and dropped) before answering 413, so the
+# client sees the answer rather than a connection reset; beyond it the connection is just closed
+DRAIN_FACTOR = 16
+
+
+class RequestError(Exception):
+    """A request the server refuses: the HTTP status and OpenAI's error fields."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A validated ``/v1/completions`` request."""
+
+    prompts: list[str]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop: list[str]
+    seed: int
+
+
+def parse_request(body: Any, limits: Limits) -> Completion:
+    """The request's fields, checked; ``RequestError`` (400) naming the first bad one."""
+    if not isinstance(body, dict):
+        raise RequestError(400, f"the body must be a JSON object, not {type(body).__name__}; send "
+                                f'{{"prompt": "...", "max_tokens": 16}}')
+    for name, off in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not any(value == v and type(value) is type(v) for v in off):  # True is not 1
+            raise RequestError(400, f"{name}={json.dumps(body[name])} is not supported by this server; leave "
+                                    f"{name} out", name)
+    if "prompt" not in body:
+        raise RequestError(400, 'prompt is required: a string or a list of strings, e.g. "prompt": "Hello"', "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = prompt
+    else:
+        raise RequestError(400, f"prompt must be a string or a non-empty list of strings, not "
+                                f"{_describe(prompt)}", "prompt")
+    if len(prompts) > limits.max_prompts:
+        raise RequestError(400, f"prompt is a list of {len(prompts)} strings; at most {limits.max_prompts} per "
+                                f"request: split it into several requests", "prompt")
+    max_tokens = _integer(body, "max_tokens", 16, 1, limits.max_new_tokens)
+    temperature = _number(body, "temperature", 1.0)
+    if temperature < 0:
+        raise RequestError(400, f"temperature={temperature} must be 0 (greedy) or more", "temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise RequestError(400, f"top_p={top_p} must be in (0, 1]: 1 keeps every token, 0.9 the most likely "
+                                f"ones making 90% of the probability", "top_p")
+    top_k = _integer(body, "top_k", 0, 0, None)
+    seed = _integer(body, "seed", None, 0, 2**63 - 1)
+    return Completion(prompts, max_tokens, temperature, top_p, top_k, _stops(body, limits),
+                      secrets.randbits(63) if seed is None else seed)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, list):
+        return "an empty list" if not value else f"a list holding {type(value[0]).__name__}"
+    return "null" if value is None else type(value).__name__
+
+
+def _integer(body: dict, name: str, default: int | None, lo: int, hi: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(400, f"{name} must be an integer, not {_describe(value)} ({json.dumps(value)})", name)
+    if value < lo or (hi is not None and value > hi):
+        bound = f"between {lo} and {hi}" if hi is not None else f"{lo} or more"
+        raise RequestError(400, f"{name}={value} must be {bound}", name)
+    return value
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(400, f"{name} must be a finite number, not {json.dumps(value)}", name)
+    return float(value)
+
+
+def _stops(body: dict, limits: Limits) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise RequestError(400, f"stop must be a non-empty string or a list of them, not {json.dumps(stop)}", "stop")
+    if len(stops) > limits.max_stop:
+        raise RequestError(400, f"stop has {len(stops)} strings; at most {limits.max_stop}", "stop")
+    return stops
+
+
+class CompletionServer(ThreadingHTTPServer):
+    """The HTTP server: ``start()`` serves from a daemon thread, ``stop()`` shuts it down."""
+
+    daemon_threads = True  # a hung client never keeps the process alive
+
+    def __init__(self, generate_fn: GenerateFn, tokenizer: Tokenizer, host: str = "127.0.0.1", port: int = 0,
+                 limits: Limits = Limits(), model_name: str = "fxmega", log_requests: bool = False) -> None:
+        super().__init__((host, port), _Handler)
+        self.generate_fn, self.tokenizer, self.limits = generate_fn, tokenizer, limits
+        self.model_name, self.log_requests = model_name, log_requests
+        self._generating = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> CompletionServer:
+        self._thread = threading.Thread(target=self.serve_forever, name="fxmega-serve", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving and close the socket (waits for ``serve_forever`` to return)."""
+        if self._thread is not None:
+            self.shutdown()
+            self._thread.join()
+            self._thread = None
+        self.server_close()
+
+    def complete(self, request: Completion) -> dict:
+        """The response body for a validated request."""
+        tok, limits = self.tokenizer, self.limits
+        encoded = [tok.encode(p) for p in request.prompts]
+        for i, ids in enumerate(encoded):
+            name = "prompt" if len(encoded) == 1 else f"prompt[{i}]"
+            if not ids:
+                raise RequestError(400, f"{name} encodes to no tokens: give some text to continue", "prompt")
+            if len(ids) > limits.max_prompt_tokens:
+                raise RequestError(400, f"{name} is {len(ids)} tokens, more than the {limits.max_prompt_tokens} "
+                                        f"this server takes: shorten it", "prompt", code="context_length_exceeded")
+            if limits.max_context is not None and len(ids) + request.max_tokens > limits.max_context:
+                room = limits.max_context - len(ids)
+                raise RequestError(400, f"{name} ({len(ids)} tokens) + max_tokens ({request.max_tokens}) = "
+                                        f"{len(ids) + request.max_tokens} exceeds the model's context of "
+                                        f"{limits.max_context} tokens: lower max_tokens to at most {room} or "
+                                        f"shorten the prompt", "max_tokens", code="context_length_exceeded")
+        stop_tokens = stop_token_ids(tok, request.stop)
+        with self._generating:
+            try:
+                outs = self.generate_fn(encoded, request.max_tokens, temperature=request.temperature,
+                                        top_k=request.top_k, top_p=request.top_p, stop_tokens=stop_tokens,
+                                        seed=request.seed)
+            except ValueError as e:  # the generator's own check of the request
+                raise RequestError(400, str(e)) from None
+        choices, completion_tokens = [], 0
+        for i, ids in enumerate(outs):
+            ended_at_token = len(ids) < request.max_tokens  # the stop token was generated, not returned
+            text, cut = cut_at_stop(tok.decode(ids), request.stop)
+            choices.append({"index": i, "text": text, "logprobs": None,
+                            "finish_reason": "stop" if cut or ended_at_token else "length"})
+            completion_tokens += len(ids) + int(ended_at_token)
+        prompt_tokens = sum(map(len, encoded))
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices,
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def stop_token_ids(tokenizer: Tokenizer, stops: Sequence[str]) -> list[int]:
+    """Ids that end a sequence during generation: the stop strings that are one token each,
+    and the tokenizer's end-of-document id."""
+    ids = [ids[0] for s in stops if len(ids := tokenizer.encode(s)) == 1]
+    eod = getattr(tokenizer, "eod", None)
+    return ids + ([eod] if eod is not None else [])
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """``text`` before the earliest stop string, and whether one was found."""
+    found = [i for s in stops if (i := text.find(s)) >= 0]
+    return (text[:min(found)], True) if found else (text, False)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: CompletionServer
+    server_version = "fxmega-serve"
+    timeout = 60  # seconds a client may stall mid-request before its thread gives up
+
+    def do_GET(self) -> None:
+        self._route("GET")
+
+    def do_POST(self) -> None:
+        self._route("POST")
+
+    def do_PUT(self) -> None:
+        self._route("PUT")
+
+    def do_DELETE(self) -> None:
+        self._route("DELETE")
+
+    def do_PATCH(self) -> None:
+        self._route("PATCH")
+
+    def _route(self, method: str) -> None:
+        routes: dict[str, dict[str, Callable[[], dict]]] = {
+            "/health": {"GET": lambda: {"status": "ok", "model": self.server.model_name}},
+            "/v1/completions": {"POST": self._completions},
+        }
+        path = urlsplit(self.path).path
+        try:
+            if path not in routes:
+                self._drain(self._content_length(required=False))
+                raise RequestError(404, f"no such path {path}: use POST /v1/completions or GET /health",
+                                   kind="not_found_error")
+            if method not in routes[path]:
+                self._drain(self._content_length(required=False))
+                allowed = ", ".join(routes[path])
+                raise RequestError(405, f"{method} is not allowed on {path}: use {allowed}",
+                                   kind="method_not_allowed")
+            self._send(200, routes[path][method]())
+        except RequestError as e:
+            self._send(e.status, e.body(), allow=", ".join(routes.get(path, {})) if e.status == 405 else None)
+        except Exception as e:  # the generator broke: say so, keep serving
+            self._send(500, RequestError(500, f"generation failed: {type(e).__name__}: {e}",
+                                         kind="server_error").body())
+
+    def _completions(self) -> dict:
+        length = self._content_length(required=True)
+        limit = self.server.limits.max_body_bytes
+        if length > limit:
+            self._drain(length)
+            raise RequestError(413, f"the body is {length} bytes, more than the {limit} this server takes: send a "
+                                    f"shorter prompt or fewer prompts per request", kind="request_too_large")
+        raw = self.rfile.read(length)
+        if len(raw) < length:
+            raise RequestError(400, f"the body ended after {len(raw)} of the {length} bytes its Content-Length "
+                                    f"announced")
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RequestError(400, f"the body is not valid JSON ({e}); send a JSON object such as "
+                                    f'{{"prompt": "Hello", "max_tokens": 16}}') from None
+        return self.server.complete(parse_request(body, self.server.limits))
+
+    def _content_length(self, required: bool) -> int:
+        if self.headers.get("Transfer-Encoding", "").lower() not in ("", "identity"):
+            self.close_connection = True
+            raise RequestError(411, "chunked bodies are not accepted: send the body with a Content-Length header",
+                               kind="length_required")
+        value = self.headers.get("Content-Length")
+        if value is None:
+            if required:
+                raise RequestError(411, "a Content-Length header is required: send the JSON body with its length",
+                                   kind="length_required")
+            return 0
+        if not value.strip().isdigit():
+            self.close_connection = True
+            raise RequestError(400, f"Content-Length {value!r} is not a byte count")
+        return int(value)
+
+    def _drain(self, length: int) -> None:
+        """Read and drop a body we will not use, so that answering before reading it does not
+        reset the connection under the client; a huge one is not read: the connection closes."""
+        self.close_connection = True
+        if 0 < length <= DRAIN_FACTOR * self.server.limits.max_body_bytes:
+            while length > 0:
+                chunk = self.rfile.read(min(length, 1 << 16))
+                if not chunk:
+                    break
+                length -= len(chunk)
+
+    def _send(self, status: int, body: dict, allow: str | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if allow:
+            self.send_header("Allow", allow)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        if self.server.log_requests:
+            sys.stderr.write(f"{self.address_string()} - {format % args}\n")
+
+
+def serve(generate_fn: GenerateFn, tokenizer: Tokenizer, host: str = "127.0.0.1", port: int = 0, *,
+          max_prompt_tokens: int = 512, max_new_tokens_limit: int = 256, max_context: int | None = None,
+          max_prompts: int = 16, max_body_bytes: int = 1 << 20, model_name: str = "fxmega",
+          log_requests: bool = False, block: bool = False) -> CompletionServer:
+    """Serve completions on ``host:port`` (0: any free port; see ``server.url``). Returns the
+    running server, serving from a daemon thread; ``server.stop()`` ends it. With ``block``
+    it serves in this thread until interrupted (Ctrl-C) and then closes."""
+    limits = Limits(max_prompt_tokens, max_new_tokens_limit, max_context, max_prompts, max_body_bytes=max_body_bytes)
+    server = CompletionServer(generate_fn, tokenizer, host, port, limits, model_name, log_requests)
+    if not block:
+        return server.start()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return server

@@ -1,0 +1,176 @@
+"""Generation with a KV cache: token for token and logit for logit what recomputing the whole
+sequence gives, for GPT and Llama (grouped, multi-query and plain multi-head attention),
+batched prompts of different lengths as each alone, and the sampling settings."""
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fxmega.config import load
+from fxmega.data.tokenizer import ByteTokenizer
+from fxmega.generate import generate_cached, sample_next, sample_text
+from fxmega.init import init_params
+from fxmega.models import gpt, llama
+from tests.conftest import ROOT
+
+# a larger init than training's 0.02, so that greedy decoding of an untrained model does not
+# just repeat one token and the comparisons below see varied sequences
+VARIANTS = {
+    "gpt": (gpt, "tiny_gpt.py", {}),
+    "llama_gqa": (llama, "tiny_llama.py", {"n_kv_heads": 2}),  # 4 query heads share 2 kv heads
+    "llama_mqa": (llama, "tiny_llama.py", {"n_kv_heads": 1}),
+    "llama_mha": (llama, "tiny_llama.py", {"n_kv_heads": 0}),
+}
+PROMPTS = [[5, 17, 99, 3, 42, 42, 7, 200, 11], [65], [1, 2, 3, 4]]
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def lm(request):
+    module, config, overrides = VARIANTS[request.param]
+    cfg = dataclasses.replace(load(ROOT / "configs" / config).model, init_std=0.3, **overrides)
+    cfg.validate()
+    return module, init_params(module.param_specs(cfg), seed=0), cfg
+
+
+def greedy_without_cache(module, params, cfg, prompt, n):
+    tokens = torch.tensor([prompt])
+    for _ in range(n):
+        nxt = module.forward(params, tokens, cfg)[:, -1].argmax(-1, keepdim=True)
+        tokens = torch.cat([tokens, nxt], dim=1)
+    return tokens[0, len(prompt):].tolist()
+
+
+def test_cached_greedy_equals_recomputing_the_sequence(lm):
+    module, params, cfg = lm
+    for prompt in PROMPTS:
+        assert generate_cached(module, params, cfg, [prompt], 12) == [greedy_without_cache(module, params, cfg,
+                                                                                            prompt, 12)]
+
+
+def test_cached_logits_equal_the_uncached_forward_at_every_step(lm):
+    module, _, cfg = lm
+    cfg = dataclasses.replace(cfg, init_std=0.02)  # training's init: logits of order 1, so 1e-5 is tight
+    params = init_params(module.param_specs(cfg), seed=0)
+    tokens = torch.tensor([PROMPTS[0]])
+    cache = module.init_cache(cfg, 1, tokens.shape[1] + 8)
+    logits, cache = module.decode_forward(params, tokens, cfg, cache, 0)
+    torch.testing.assert_close(logits, module.forward(params, tokens, cfg), atol=1e-5, rtol=0)  # the prefill
+    for _ in range(8):
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        start = tokens.shape[1]
+        tokens = torch.cat([tokens, nxt], dim=1)
+        logits, cache = module.decode_forward(params, nxt, cfg, cache, start)
+        assert logits.shape == (1, 1, cfg.vocab_size)
+        torch.testing.assert_close(logits[:, -1], module.forward(params, tokens, cfg)[:, -1], atol=1e-5, rtol=0)
+
+
+def test_batched_prompts_of_different_lengths_equal_each_alone(lm):
+    module, params, cfg = lm
+    batched = generate_cached(module, params, cfg, PROMPTS, 10)
+    assert batched == [generate_cached(module, params, cfg, [p], 10)[0] for p in PROMPTS]
+    assert len({tuple(row) for row in batched}) == len(PROMPTS)  # not trivially equal
+
+    # and the left-padded prefill's last logits per row equal each prompt's own forward
+    longest = max(map(len, PROMPTS))
+    pad = torch.tensor([longest - len(p) for p in PROMPTS])
+    tokens = torch.tensor([[0] * (longest - len(p)) + p for p in PROMPTS])
+    logits, _ = module.decode_forward(params, tokens, cfg, module.init_cache(cfg, 3, longest + 1), 0, pad)
+    for row, prompt in enumerate(PROMPTS):
+        expected = module.forward(params, torch.tensor([prompt]), cfg)[0, -1]
+        torch.testing.assert_close(logits[row, -1], expected, atol=1e-5, rtol=0)
+
+
+def test_unwritten_cache_slots_are_never_read_and_the_cache_is_not_modified(lm):
+    module, params, cfg = lm
+    tokens = torch.tensor([PROMPTS[2]])
+    clean = module.init_cache(cfg, 1, 16)
+    junk = [(torch.randn_like(k) * 100, torch.randn_like(v) * 100) for k, v in clean]
+    before = [(k.clone(), v.clone()) for k, v in junk]
+    from_clean, _ = module.decode_forward(params, tokens, cfg, clean, 0)
+    from_junk, written = module.decode_forward(params, tokens, cfg, junk, 0)
+    torch.testing.assert_close(from_junk, from_clean, atol=1e-6, rtol=0)
+    for (k, v), (k0, v0) in zip(junk, before):
+        assert torch.equal(k, k0) and torch.equal(v, v0)  # functional: a new cache is returned
+    assert not torch.equal(written[0][0][:, :4], junk[0][0][:, :4])
+
+
+def test_top_k_one_and_a_tiny_top_p_are_greedy(lm):
+    module, params, cfg = lm
+    greedy = generate_cached(module, params, cfg, PROMPTS, 8)
+    assert generate_cached(module, params, cfg, PROMPTS, 8, temperature=1.0, top_k=1, seed=3) == greedy
+    assert generate_cached(module, params, cfg, PROMPTS, 8, temperature=1.0, top_p=1e-6, seed=3) == greedy
+
+
+def test_sampling_is_reproducible_with_a_seed_and_differs_across_seeds(lm):
+    module, params, cfg = lm
+    run = lambda seed: generate_cached(module, params, cfg, PROMPTS, 12, temperature=1.0, top_p=0.95, seed=seed)
+    assert run(1) == run(1)
+    assert run(1) != run(2)
+
+
+def test_stop_tokens_end_each_sequence_and_stopped_rows_are_not_extended(lm):
+    module, params, cfg = lm
+    free = generate_cached(module, params, cfg, PROMPTS, 10)
+    stop = free[0][3]
+    stopped = generate_cached(module, params, cfg, PROMPTS, 10, stop_tokens=[stop])
+    for row, out in zip(free, stopped):
+        expected = row[:row.index(stop)] if stop in row else row
+        assert out == expected  # the stop token itself is not returned
+    assert len(stopped[0]) == free[0].index(stop) < 10
+
+
+def test_generation_ends_once_every_row_has_stopped(lm):
+    module, params, cfg = lm
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[1].shape[1])
+        return module.decode_forward(*args, **kwargs)
+
+    counted = SimpleNamespace(init_cache=module.init_cache, decode_forward=counting)
+    first = generate_cached(module, params, cfg, [PROMPTS[0]], 1)[0][0]
+    assert generate_cached(counted, params, cfg, [PROMPTS[0]], 20, stop_tokens=[first]) == [[]]
+    assert calls == [len(PROMPTS[0])]  # the prefill only: no decode step after the stop
+
+
+def test_a_request_longer_than_max_seq_len_raises_naming_the_numbers(tiny_gpt):
+    cfg = tiny_gpt.model
+    params = init_params(gpt.param_specs(cfg), seed=0)
+    with pytest.raises(ValueError, match=r"prompt 1 has 60 tokens and max_new_tokens=5: .*65 exceeds "
+                                         r"max_seq_len=64.*at most 59 tokens.*at most 4"):
+        generate_cached(gpt, params, cfg, [[1], [2] * 60], 5)
+    generate_cached(gpt, params, cfg, [[2] * 59], 5)  # exactly fits
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        generate_cached(gpt, params, cfg, [[]], 5)
+    with pytest.raises(ValueError, match=r"top_p=0 must be in \(0, 1\]"):
+        generate_cached(gpt, params, cfg, [[1]], 5, top_p=0)
+    with pytest.raises(ValueError, match=r"token ids \[256\] outside the vocabulary \[0, 256\)"):
+        generate_cached(gpt, params, cfg, [[1, 256]], 5)
+
+
+def test_sample_text_is_run_sample_on_the_cache(tiny_llama):
+    cfg = tiny_llama.model
+    params = init_params(llama.param_specs(cfg), seed=0)
+    tok = ByteTokenizer()
+    new = generate_cached(llama, params, cfg, [tok.encode("Hi")], 5, temperature=0.8, top_k=40, seed=7)[0]
+    assert sample_text(llama, params, cfg, tok, "Hi", 5, seed=7) == tok.decode(tok.encode("Hi") + new)
+    # a prompt too long for the window conditions on its last max_seq_len - max_new_tokens tokens
+    long_prompt = "x" * 50 + "y" * 50
+    new = generate_cached(llama, params, cfg, [tok.encode(long_prompt)[-(64 - 8):]], 8, temperature=0)[0]
+    assert sample_text(llama, params, cfg, tok, long_prompt, 8, temperature=0) == \
+        tok.decode(tok.encode(long_prompt) + new)
+    with pytest.raises(ValueError, match="max_new_tokens=64 leaves no room"):
+        sample_text(llama, params, cfg, tok, "Hi", 64)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(2000, 1)
+    seen = lambda p: set(sample_next(logits, 1.0, 0, torch.Generator().manual_seed(0), top_p=p).tolist())
+    assert seen(0.45) == {0}
+    assert seen(0.75) == {0, 1}
+    assert seen(0.85) == {0, 1, 2}
+    assert seen(1.0) == {0, 1, 2, 3}
+    # top-k applies first: of the two most likely, the nucleus of 0.9 is both
+    assert set(sample_next(logits, 1.0, 2, torch.Generator().manual_seed(0), top_p=0.9).tolist()) == {0, 1}

@@ -1,0 +1,201 @@
+"""The completion server over real HTTP on 127.0.0.1: completions equal calling the generator
+directly, list prompts, stop strings, and a 4xx naming the field for each bad request."""
+
+import dataclasses
+import http.client
+import json
+import urllib.error
+import urllib.request
+from functools import partial
+
+import pytest
+
+from fxmega.config import load
+from fxmega.data.tokenizer import ByteTokenizer
+from fxmega.generate import generate_cached
+from fxmega.init import init_params
+from fxmega.models import gpt
+from fxmega.serve import serve
+from tests.conftest import ROOT
+
+TIMEOUT = 30  # seconds, for every request
+# no proxy from the environment: these requests go to 127.0.0.1 only
+OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def request(server, path, body=None, method="POST"):
+    """(status, JSON body, headers) of one request; ``body`` is JSON-encoded unless bytes."""
+    data = body if body is None or isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(server.url + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with OPENER.open(req, timeout=TIMEOUT) as r:
+            return r.status, json.loads(r.read()), r.headers
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, json.loads(e.read()), e.headers
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = dataclasses.replace(load(ROOT / "configs" / "tiny_gpt.py").model, init_std=0.3)  # varied tokens
+    return cfg, init_params(gpt.param_specs(cfg), seed=0)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    cfg, params = model
+    srv = serve(partial(generate_cached, gpt, params, cfg), ByteTokenizer(), "127.0.0.1", 0, max_prompt_tokens=60,
+                max_new_tokens_limit=16, max_context=cfg.max_seq_len, max_body_bytes=4096, model_name="tiny-gpt")
+    yield srv
+    srv.stop()
+
+
+def test_health(server):
+    assert request(server, "/health", method="GET")[:2] == (200, {"status": "ok", "model": "tiny-gpt"})
+
+
+def test_greedy_completion_equals_calling_the_generator(server, model):
+    cfg, params = model
+    tok = ByteTokenizer()
+    status, body, headers = request(server, "/v1/completions",
+                                    {"prompt": "Hello", "max_tokens": 8, "temperature": 0, "seed": 1})
+    assert status == 200 and headers["Content-Type"] == "application/json"
+    expected = tok.decode(generate_cached(gpt, params, cfg, [tok.encode("Hello")], 8, seed=1)[0])
+    assert body["choices"] == [{"index": 0, "text": expected, "logprobs": None, "finish_reason": "length"}]
+    assert body["object"] == "text_completion" and body["model"] == "tiny-gpt" and body["id"].startswith("cmpl-")
+    assert isinstance(body["created"], int)
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
+
+
+def test_seeded_sampling_equals_the_generator_and_repeats(server, model):
+    cfg, params = model
+    tok = ByteTokenizer()
+    ask = {"prompt": "Once", "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "top_k": 20, "seed": 5}
+    first = request(server, "/v1/completions", ask)[1]["choices"][0]["text"]
+    direct = generate_cached(gpt, params, cfg, [tok.encode("Once")], 12, temperature=1.0, top_k=20, top_p=0.9,
+                             seed=5)[0]
+    assert first == tok.decode(direct)
+    assert request(server, "/v1/completions", ask)[1]["choices"][0]["text"] == first
+
+
+def test_a_list_prompt_gets_one_choice_per_prompt(server, model):
+    cfg, params = model
+    tok = ByteTokenizer()
+    prompts = ["a", "bcd", "Hello there"]
+    status, body, _ = request(server, "/v1/completions", {"prompt": prompts, "max_tokens": 6, "temperature": 0})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2]
+    for prompt, choice in zip(prompts, body["choices"]):
+        assert choice["text"] == tok.decode(generate_cached(gpt, params, cfg, [tok.encode(prompt)], 6)[0])
+    assert body["usage"]["prompt_tokens"] == 1 + 3 + 11 and body["usage"]["completion_tokens"] == 18
+
+
+SCRIPT = b"Hello, world.\nBye!"
+
+
+def scripted(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed):
+    """A stand-in generator: always 'writes' SCRIPT, stopping as generate_cached does."""
+    if prompts[0] == list(b"boom"):
+        raise RuntimeError("the device fell over")
+    if prompts[0] == list(b"refuse"):
+        raise ValueError("prompt 0 is refused by the generator")
+    out = []
+    for _ in prompts:
+        row = list(SCRIPT[:max_new_tokens])
+        ends = [row.index(t) for t in stop_tokens if t in row]
+        out.append(row[:min(ends)] if ends else row)
+    return out
+
+
+@pytest.fixture(scope="module")
+def scripted_server():
+    srv = serve(scripted, ByteTokenizer(), max_new_tokens_limit=64)
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("stop,text,finish,completion_tokens", [
+    (None, "Hello, world.\nBye!", "length", 18),
+    ("\n", "Hello, world.", "stop", 14),  # one token: generation itself stops (and counts it)
+    (["zzz", "orld"], "Hello, w", "stop", 18),  # several tokens: cut from the text
+    (["!", "o"], "Hell", "stop", 5),  # the earliest of several
+])
+def test_stop_strings_cut_the_text_and_say_stop(scripted_server, stop, text, finish, completion_tokens):
+    body = {"prompt": "hi", "max_tokens": 18, **({"stop": stop} if stop else {})}
+    status, out, _ = request(scripted_server, "/v1/completions", body)
+    assert status == 200
+    assert (out["choices"][0]["text"], out["choices"][0]["finish_reason"]) == (text, finish)
+    assert out["usage"]["completion_tokens"] == completion_tokens
+
+
+def test_generator_failures_are_400_for_its_value_errors_and_500_otherwise(scripted_server):
+    status, body, _ = request(scripted_server, "/v1/completions", {"prompt": "refuse"})
+    assert status == 400 and "refused by the generator" in body["error"]["message"]
+    status, body, _ = request(scripted_server, "/v1/completions", {"prompt": "boom"})
+    assert status == 500 and body["error"]["type"] == "server_error" and "fell over" in body["error"]["message"]
+    assert request(scripted_server, "/health", method="GET")[0] == 200  # still serving
+
+
+BAD = [
+    # (body, status, param, words the message must hold)
+    (b"{not json", 400, None, "not valid JSON"),
+    (b"[1, 2]", 400, None, "JSON object"),
+    ({}, 400, "prompt", "prompt is required"),
+    ({"prompt": 5}, 400, "prompt", "prompt must be a string"),
+    ({"prompt": []}, 400, "prompt", "empty list"),
+    ({"prompt": ["a", 3]}, 400, "prompt", "list of strings"),
+    ({"prompt": ""}, 400, "prompt", "encodes to no tokens"),
+    ({"prompt": "x" * 61}, 400, "prompt", "61 tokens, more than the 60"),
+    ({"prompt": "x" * 55, "max_tokens": 16}, 400, "max_tokens", "lower max_tokens to at most 9"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "max_tokens=0 must be between 1 and 16"),
+    ({"prompt": "hi", "max_tokens": 17}, 400, "max_tokens", "max_tokens=17 must be between 1 and 16"),
+    ({"prompt": "hi", "max_tokens": "8"}, 400, "max_tokens", "max_tokens must be an integer"),
+    ({"prompt": "hi", "temperature": -0.5}, 400, "temperature", "temperature=-0.5 must be 0"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature", "temperature must be a finite number"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p", "top_p=0.0 must be in (0, 1]"),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p", "top_p=1.5 must be in (0, 1]"),
+    ({"prompt": "hi", "top_k": -1}, 400, "top_k", "top_k=-1 must be 0 or more"),
+    ({"prompt": "hi", "stop": 3}, 400, "stop", "stop must be"),
+    ({"prompt": "hi", "seed": -1}, 400, "seed", "seed=-1"),
+    ({"prompt": "hi", "stream": True}, 400, "stream", "stream=true is not supported"),
+    ({"prompt": "x" * 5000}, 413, None, "more than the 4096"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,words", BAD, ids=[f"{b[2] or b[1]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_requests_get_a_4xx_naming_the_field(server, body, status, param, words):
+    got, out, _ = request(server, "/v1/completions", body)
+    assert got == status
+    error = out["error"]
+    assert error["param"] == param and words in error["message"] and error["type"]
+    if param:
+        assert param in error["message"]
+
+
+def test_unknown_paths_and_wrong_methods(server):
+    status, out, _ = request(server, "/v1/chat/completions", {"prompt": "hi"})
+    assert status == 404 and "/v1/chat/completions" in out["error"]["message"]
+    status, out, headers = request(server, "/v1/completions", method="GET")
+    assert status == 405 and headers["Allow"] == "POST" and "use POST" in out["error"]["message"]
+    status, out, headers = request(server, "/health", {"prompt": "hi"})
+    assert status == 405 and headers["Allow"] == "GET"
+    status, out, _ = request(server, "/v1/completions", b"", method="PUT")
+    assert status == 405
+    status, out, _ = request(server, "/v1/completions", b"")
+    assert status == 400 and "not valid JSON" in out["error"]["message"]
+    conn = http.client.HTTPConnection("127.0.0.1", server.server_address[1], timeout=TIMEOUT)
+    try:
+        conn.putrequest("POST", "/v1/completions")  # no Content-Length header
+        conn.endheaders()
+        reply = conn.getresponse()
+        assert reply.status == 411 and "Content-Length" in json.loads(reply.read())["error"]["message"]
+    finally:
+        conn.close()
+
+
+def test_a_stopped_server_refuses_connections():
+    srv = serve(scripted, ByteTokenizer())
+    assert request(srv, "/health", method="GET")[0] == 200
+    srv.stop()
+    with pytest.raises(urllib.error.URLError):
+        request(srv, "/health", method="GET")
