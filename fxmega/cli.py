@@ -85,13 +85,17 @@ SWITCHES = {
 }
 
 
+COMMANDS = ["train", "summary", "convert", "eval", "generate", "serve"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="run.py", description="Train (default) or inspect a model described by a Python config file.")
-    parser.add_argument("command", nargs="?", default="train", choices=["train", "summary", "convert", "eval"],
-                        help="train (default); eval: loss and perplexity of --load CKPT on the validation "
-                             "split; summary: print the model summary and exit; convert: Hugging Face "
-                             "<-> fxmega checkpoints (--from-hf DIR --save CKPT, or --load CKPT --to-hf DIR)")
+    parser.add_argument("command", nargs="?", default="train", choices=COMMANDS,
+                        help="train (default); eval: loss and perplexity of --load CKPT on the validation split; "
+                             "generate: complete --prompt texts with --load CKPT; serve: an HTTP completion server "
+                             "(POST /v1/completions); summary: print the model summary and exit; convert: Hugging "
+                             "Face <-> fxmega checkpoints (--from-hf DIR --save CKPT, or --load CKPT --to-hf DIR)")
     parser.add_argument("--config", help="Python config file setting `config = RunConfig(...)`")
     parser.add_argument("--from-hf", metavar="DIR", help="convert: a Hugging Face model directory to import")
     parser.add_argument("--to-hf", metavar="DIR", help="convert: write the --load checkpoint as a Hugging Face model")
@@ -114,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --load: take only the parameters; optimizer and step start fresh")
     parser.add_argument("--explain", action="store_true",
                         help="print the sharding plan for --mesh (any size, no processes started) and exit")
+    gen = parser.add_argument_group("generate and serve")
+    gen.add_argument("--prompt", action="append", default=[], help="generate: a prompt (repeat for a batch)")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set with this mass")
+    gen.add_argument("--stop", action="append", default=[], help="a string that ends a completion (repeatable)")
+    gen.add_argument("--host", default="127.0.0.1", help="serve: the address to listen on")
+    gen.add_argument("--port", type=int, default=8000, help="serve: the port (0: any free one)")
     parser.add_argument("--data-path", nargs="+", metavar="[WEIGHT] PREFIX",
                         help="sets data.source: a text file, an indexed-dataset prefix, or a blend 0.7 A 0.3 B")
     for flag, key in FLAG_KEYS.items():
@@ -157,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "eval":
             return _on_mesh(cfg, argv, _eval)
+        if args.command == "generate":
+            return _on_mesh(cfg, argv, lambda c, par, dev: _generate(c, par, dev, args))
+        if args.command == "serve":
+            return _on_mesh(cfg, argv, lambda c, par, dev: _serve(c, par, dev, args))
         return _on_mesh(cfg, argv, lambda c, par, dev: _train_job(c, par, dev, not args.no_progress))
     except FxmegaError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -223,6 +240,40 @@ def _eval(cfg: RunConfig, parallel: Any, device: Any) -> None:
         if cfg.train.log_jsonl:
             with open(cfg.train.log_jsonl, "a") as f:
                 f.write(json.dumps(result) + "\n")
+
+
+def _generate(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespace) -> None:
+    from fxmega.generation_cli import generate_texts, load_model
+
+    if not args.prompt:
+        raise ConfigError("generate needs at least one --prompt TEXT")
+    run = load_model(cfg, parallel, device)
+    texts = generate_texts(run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                           args.stop, cfg.train.seed)
+    if parallel is None or parallel.rank == 0:
+        for prompt, text in zip(args.prompt, texts):
+            print(f"{prompt}{text}\n" + "-" * 40, flush=True)
+
+
+def _serve(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespace) -> None:
+    from fxmega.generation_cli import generate_fn, load_model
+    from fxmega.serve import serve
+
+    if parallel is not None:
+        raise ConfigError("serve runs on one device for now (--mesh 1): a tp mesh serves through generate_on_mesh "
+                          "from Python, the HTTP front end does not coordinate ranks yet")
+    import threading
+
+    run = load_model(cfg, parallel, device)
+    server = serve(generate_fn(run), run.tokenizer, args.host, args.port, max_context=cfg.model.max_seq_len,
+                   max_prompt_tokens=cfg.model.max_seq_len - 1, model_name=cfg.name)
+    print(f"serving {cfg.name} on {server.url}/v1/completions (Ctrl-C stops)", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
 
 
 def _on_mesh(cfg: RunConfig, argv: list[str], job: Callable[[RunConfig, Any, Any], None]) -> int:

@@ -75,7 +75,7 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[str, gpt.Config | llama.Config]:
             n_layers=hf["num_hidden_layers"], n_heads=h, n_kv_heads=hf.get("num_key_value_heads") or h,
             d_ff=hf["intermediate_size"], rope_theta=theta,
             norm_eps=hf.get("rms_norm_eps", 1e-5))
-    raise ConfigError(f"Hugging Face model_type {kind!r}: fxmega converts gpt2 and llama")
+    raise ConfigError(f"Hugging Face model_type {kind!r}: fxmega converts gpt2, llama and bert")
 
 
 def config_to_hf(family: str, cfg: gpt.Config | llama.Config, dtype: torch.dtype) -> dict[str, Any]:
@@ -96,8 +96,14 @@ def config_to_hf(family: str, cfg: gpt.Config | llama.Config, dtype: torch.dtype
 
 
 def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[str, Any, dict]:
-    """(family, Config, parameter tree) from a local Hugging Face model directory."""
+    """(family, Config, parameter tree) from a local Hugging Face model directory (GPT-2,
+    Llama, or BERT: ``fxmega.hf_bert``)."""
     path = Path(path)
+    if _read_config(path).get("model_type") == "bert":
+        from fxmega.hf_bert import load_hf_dir
+
+        cfg, params = load_hf_dir(path, dtype)
+        return "bert", cfg, params
     family, cfg = config_from_hf(_read_config(path))
     sd = {k: v.to(dtype) for k, v in _read_tensors(path).items()}
     try:

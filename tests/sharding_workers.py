@@ -192,3 +192,15 @@ def precision_variants(steps: int) -> dict | None:
         run = Run(cfg, par, device)
         out[name] = [run.do_step()["loss"] for _ in range(steps)]
     return out if torch.distributed.get_rank() == 0 else None
+
+
+def bert_mlm(parallel: dict, steps: int) -> dict | None:
+    """Masked-LM steps of the tiny BERT on a mesh, eagerly."""
+    cfg = override(load(ROOT / "configs" / "tiny_bert.py"), ["train.compile=false", "train.device=cpu",
+                                                              "train.micro_batch_size=4"])
+    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(bucket_size=BUCKET, **parallel))
+    par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
+    run = Run(cfg, par, device)
+    losses = [run.do_step()["loss"] for _ in range(steps)]
+    valid = run.evaluate()  # every rank takes part
+    return {"losses": losses, "valid": valid} if torch.distributed.get_rank() == 0 else None

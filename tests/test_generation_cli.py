@@ -1,0 +1,80 @@
+"""`run.py generate` and `run.py serve` on a trained checkpoint: the command line gives what
+the library gives, and the server answers real HTTP requests."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from fxmega.cli import main
+from fxmega.config import load, override
+from fxmega.generate import generate_cached
+from fxmega.train import Run
+from tests.conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    corpus = root / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    args = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--data-path", str(corpus), "--no-compile",
+            "--no-progress"]
+    assert main([*args, "--steps", "30", "--save", str(root / "ckpt")]) == 0
+    return args + ["--load", str(root / "ckpt")], corpus
+
+
+def _library_greedy(corpus, ckpt, prompt: str, n: int) -> str:
+    cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), [f"data.source={corpus}", "train.compile=false"])
+    run = Run(cfg)
+    assert run.resume(ckpt, params_only=True)
+    ids = generate_cached(run.model, run.params, cfg.model, [run.tokenizer.encode(prompt)], n, temperature=0)
+    return run.tokenizer.decode(ids[0])
+
+
+def test_generate_command_equals_the_library(trained, capsys):
+    args, corpus = trained
+    code = main(["generate", *args, "--prompt", "the quick", "--prompt", "over", "--temperature", "0",
+                 "--max-new-tokens", "12"])
+    assert code == 0
+    out = capsys.readouterr().out
+    ckpt = args[args.index("--load") + 1]
+    for prompt in ("the quick", "over"):
+        assert prompt + _library_greedy(corpus, ckpt, prompt, 12) in out
+    assert main(["generate", *args]) == 2
+    assert "generate needs at least one --prompt" in capsys.readouterr().err
+
+
+def test_serve_command_answers_completions(trained):
+    args, _ = trained
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "serve", *args, "--port", "0"], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        url = None
+        for line in proc.stdout:  # the server says where it listens once it is up
+            if line.startswith("serving "):
+                url = line.split(" on ")[1].split()[0]
+                break
+        assert url and url.startswith("http://127.0.0.1:"), url
+        body = json.dumps({"prompt": "the quick", "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(request, timeout=60) as response:
+            answer = json.loads(response.read())
+        assert answer["object"] == "text_completion" and len(answer["choices"]) == 1
+        assert answer["usage"]["prompt_tokens"] == len("the quick")
+        bad = urllib.request.Request(url, data=b"{not json", headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            opener.open(bad, timeout=60)
+        assert e.value.code == 400
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
