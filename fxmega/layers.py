@@ -214,23 +214,41 @@ def cache_write(start: int, new: int, max_len: int, pad: torch.Tensor, head_dim:
     return CacheWrite(start, positions, mask[:, None], cos, sin)
 
 
+def _attend_over_cache(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+    # Runs on local shards: batch and heads may be split, the cache's slots and head_dim are whole.
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), cache_k.to(q.dtype).transpose(1, 2), cache_v.to(q.dtype).transpose(1, 2),
+        attn_mask=mask, enable_gqa=cache_k.shape[2] != q.shape[2],
+    )
+    return out.transpose(1, 2)
+
+
+# The CacheWrite's tables, by logical name. Under a sharding plan they are plain tensors (built
+# from plain ``pad``), and ``shard`` makes them replicated DTensors to meet the split q, k, v.
+_MASK_AXES = ("batch", None, None, None)
+_ROPE_AXES = ("batch", None, "head_dim")
+
+
 def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KV,
                      write: CacheWrite) -> tuple[torch.Tensor, KV]:
     """Attention of new tokens over a KV cache: ``q [batch, new, heads, head_dim]``, ``k``, ``v``
     with possibly fewer (grouped) heads. Rotates q and k when ``write`` has rotary tables, writes
     k and v into the cache at ``write.start``, and attends over the whole cache under
     ``write.mask``. Returns the output and the new cache; the old one is not modified
-    (``slice_scatter`` copies, like JAX's ``dynamic_update_slice``). One device only: this runs
-    outside any sharding plan."""
+    (``slice_scatter`` copies, like JAX's ``dynamic_update_slice``).
+
+    Under a sharding plan (tensor-parallel decoding, ``fxmega.generate_parallel``) q, k, v and
+    the cache are split over heads: each rank writes and reads only its own heads' cache, and
+    the attention itself runs per shard through ``local``."""
     if write.cos is not None:
-        cos, sin = write.cos[:, :, None, :].to(q.dtype), write.sin[:, :, None, :].to(q.dtype)
+        cos = shard(write.cos, *_ROPE_AXES)[:, :, None, :].to(q.dtype)
+        sin = shard(write.sin, *_ROPE_AXES)[:, :, None, :].to(q.dtype)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
     cache_k, cache_v = kv
     end = write.start + q.shape[1]
+    # split over heads, not slots: under tp each rank writes its own heads, with no communication
     cache_k = torch.slice_scatter(cache_k, k.to(cache_k.dtype), dim=1, start=write.start, end=end)
     cache_v = torch.slice_scatter(cache_v, v.to(cache_v.dtype), dim=1, start=write.start, end=end)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), cache_k.to(q.dtype).transpose(1, 2), cache_v.to(q.dtype).transpose(1, 2),
-        attn_mask=write.mask, enable_gqa=cache_k.shape[2] != q.shape[2],
-    )
-    return out.transpose(1, 2), (cache_k, cache_v)
+    attend = local(_attend_over_cache, (_QKV_AXES, _KV_AXES, _KV_AXES, _MASK_AXES), _QKV_AXES)
+    return attend(q, cache_k, cache_v, shard(write.mask, *_MASK_AXES)), (cache_k, cache_v)

@@ -78,3 +78,16 @@ def test_serve_command_answers_completions(trained):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_generate_command_on_a_tp2_mesh_equals_one_device(trained, capsys):
+    args, corpus = trained
+    gen = ["--prompt", "the lazy", "--temperature", "0", "--max-new-tokens", "10"]
+    assert main(["generate", *args, *gen]) == 0
+    single = capsys.readouterr().out
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "generate", *args, *gen, "--mesh", "tp=2"],
+                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    completion = single.split("the lazy", 1)[1].split("\n" + "-" * 40)[0]
+    assert "the lazy" + completion + "\n" + "-" * 40 in proc.stdout

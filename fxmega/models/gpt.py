@@ -141,8 +141,8 @@ def embed(params: dict, tokens: torch.Tensor, cfg: Config, positions: torch.Tens
     """Token plus position embeddings: the residual stream's start. ``positions [batch, seq]``
     (decoding) picks each token's position; by default they are 0, 1, 2, ..."""
     x = shard(torch.nn.functional.embedding(tokens, params["embed"]["tokens"]), "batch", "seq", "embed")
-    if positions is not None:
-        return x + params["embed"]["positions"][positions]
+    if positions is not None:  # plain indices: under a sharding plan ``shard`` makes them a DTensor like the table
+        return x + params["embed"]["positions"][shard(positions, "batch", "seq")]
     return x + shard(params["embed"]["positions"][: tokens.shape[1]], "seq", "embed")
 
 

@@ -1,0 +1,129 @@
+"""Generation with the KV cache on a tensor-parallel mesh (``fxmega.generate_parallel``): on 2 gloo
+ranks, greedy decoding from the sharded parameters gives token for token what one device gives
+from the same seed's parameters, for GPT and grouped-query Llama, batched prompts of different
+lengths, and a vocabulary that tp pads (255 -> 256); each rank caches half the heads, and
+every rank returns the same tokens, sampled and stopped ones included. Meshes without tp
+(ZeRO-3 on dp), with tp next to ZeRO-3 (4 ranks) and no mesh at all give the same tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fxmega.config import ParallelConfig, load, override
+from fxmega.generate import generate_cached
+from fxmega.generate_parallel import TPDecoder, generate_on_mesh, tp_params
+from fxmega.init import init_params
+from fxmega.models import model_for
+from fxmega.sharding import distributed
+from fxmega.sharding.mesh import MeshSpec
+from fxmega.train import Run
+from tests.multirank import ROOT, run_ranks
+
+PROMPTS = [[5, 17, 99, 3, 42, 42, 7, 200, 11], [65], [1, 2, 3, 4]]
+NEW = 8
+# name -> (config file, overrides, parallel config)
+CASES = {
+    "gpt_tp2": ("tiny_gpt", (), dict(mesh="tp=2")),
+    "gpt_tp2_vocab255": ("tiny_gpt", ("model.vocab_size=255",), dict(mesh="tp=2")),
+    "llama_gqa_tp2": ("tiny_llama", ("model.n_kv_heads=2",), dict(mesh="tp=2")),
+    "llama_gqa_tp2_sp_vocab255": ("tiny_llama", ("model.n_kv_heads=2", "model.vocab_size=255"),
+                                  dict(mesh="tp=2", sequence_parallel=True)),
+    "gpt_zero3_dp2": ("tiny_gpt", (), dict(mesh="dp=2", rules="zero3")),
+}
+# on 4 ranks: tp next to ZeRO-3 over dp (parameters gathered over dp, kept split over tp)
+FOUR_RANKS = {"llama_zero3_dp2_tp2": ("tiny_llama", ("model.vocab_size=255",), dict(mesh="dp=2,tp=2", rules="zero3"))}
+
+
+def config(name: str):
+    file, extra, parallel = {**CASES, **FOUR_RANKS}[name]
+    # a larger init than training's, so that greedy decoding of an untrained model gives varied tokens
+    cfg = override(load(ROOT / "configs" / f"{file}.py"),
+                   ["train.compile=false", "train.device=cpu", "train.micro_batch_size=4", "model.init_std=0.3",
+                    *extra])
+    return dataclasses.replace(cfg, parallel=ParallelConfig(**parallel))
+
+
+def single_device(name: str, **kwargs) -> list[list[int]]:
+    """``generate_cached`` on one device from the same seed's (unpadded) parameters."""
+    cfg = config(name)
+    model = model_for(cfg.model)
+    params = init_params(model.param_specs(cfg.model), seed=cfg.train.seed)
+    return generate_cached(model, params, cfg.model, PROMPTS, NEW, **kwargs)
+
+
+def on_four_ranks() -> list[list[int]]:
+    cfg = config(next(iter(FOUR_RANKS)))
+    par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
+    return generate_on_mesh(Run(cfg, par, device), PROMPTS, NEW)
+
+
+def on_ranks() -> dict:
+    """Per case: greedy, stopped and sampled tokens from ``generate_on_mesh``, and under tp the local
+    cache shape and the gap between the prefill's logits and one device's."""
+    out = {}
+    for name in CASES:
+        cfg = config(name)
+        par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
+        run = Run(cfg, par, device)
+        greedy = generate_on_mesh(run, PROMPTS, NEW)
+        # every rank must see the same stops, or one would wait in a collective the others skip
+        result = {"greedy": greedy, "stopped": generate_on_mesh(run, PROMPTS, NEW, stop_tokens=[greedy[0][3]]),
+                  "sampled": generate_on_mesh(run, PROMPTS, NEW, temperature=1.0, top_p=0.9, seed=3)}
+        if par.tp > 1:
+            decoder, params = TPDecoder(run.model, par), tp_params(par, run.params)
+            longest = max(map(len, PROMPTS))
+            pad = torch.tensor([longest - len(p) for p in PROMPTS])
+            tokens = torch.tensor([[0] * (longest - len(p)) + p for p in PROMPTS])
+            cache = decoder.init_cache(cfg.model, len(PROMPTS), longest + 2)
+            with torch.no_grad():
+                logits, cache = decoder.decode_forward(params, tokens, cfg.model, cache, 0, pad)
+            result["cache_local"] = [(tuple(k.to_local().shape), tuple(v.to_local().shape)) for k, v in cache]
+            result["cache_global"] = tuple(cache[0][0].shape)
+            full = init_params(run.model.param_specs(cfg.model), seed=cfg.train.seed)
+            one, _ = run.model.decode_forward(full, tokens, cfg.model,
+                                              run.model.init_cache(cfg.model, len(PROMPTS), longest + 2), 0, pad)
+            result["logits_shape"] = tuple(logits.shape)
+            result["logits_gap"] = float((logits[..., :cfg.model.vocab_size] - one).abs().max())
+        out[name] = result
+    return out
+
+
+def test_tp_generation_equals_one_device_and_ranks_agree():
+    ranks = run_ranks(2, "tests.test_generate_tp:on_ranks")
+    for name in CASES:
+        cfg = config(name).model
+        first, second = ranks[0][name], ranks[1][name]
+        assert first["greedy"] == second["greedy"], name
+        assert first["sampled"] == second["sampled"], name
+        assert first["stopped"] == second["stopped"], name
+        expected = single_device(name)
+        assert first["greedy"] == expected, name
+        assert first["stopped"] == single_device(name, stop_tokens=[expected[0][3]]), name
+        assert len(first["stopped"][0]) == 3
+        # the logits differ from one device's by float rounding only (~1e-5), far too little to
+        # move a draw of the same seeded generator across a token boundary
+        assert first["sampled"] == single_device(name, temperature=1.0, top_p=0.9, seed=3), name
+        assert len({tuple(row) for row in expected}) == len(PROMPTS)  # varied: not trivially equal
+        if name.endswith("dp2"):
+            continue
+        heads = getattr(cfg, "kv_heads", cfg.n_heads)
+        longest = max(map(len, PROMPTS))
+        local = (len(PROMPTS), longest + 2, heads // 2, cfg.head_dim)
+        for rank in (first, second):
+            assert rank["cache_local"] == [(local, local)] * cfg.n_layers, name
+            assert rank["cache_global"] == (len(PROMPTS), longest + 2, heads, cfg.head_dim)
+            assert rank["logits_shape"] == (len(PROMPTS), longest, 256)  # padded 255 -> 256 under tp
+            assert rank["logits_gap"] < 1e-4, (name, rank["logits_gap"])
+
+
+def test_without_parallel_it_is_generate_cached(tiny_llama):
+    cfg = override(tiny_llama, ["train.compile=false", "train.device=cpu", "model.init_std=0.3"])
+    run = Run(cfg)
+    assert generate_on_mesh(run, PROMPTS, NEW) == generate_cached(run.model, run.params, cfg.model, PROMPTS, NEW)
+
+
+def test_tp_next_to_zero3_gathers_over_dp_only():
+    name = next(iter(FOUR_RANKS))
+    assert run_ranks(4, "tests.test_generate_tp:on_four_ranks") == [single_device(name)] * 4
