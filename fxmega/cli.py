@@ -85,7 +85,7 @@ SWITCHES = {
 }
 
 
-COMMANDS = ["train", "summary", "convert", "eval", "generate", "serve"]
+COMMANDS = ["train", "summary", "convert", "eval", "generate", "serve", "finetune"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,8 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("command", nargs="?", default="train", choices=COMMANDS,
                         help="train (default); eval: loss and perplexity of --load CKPT on the validation split; "
                              "generate: complete --prompt texts with --load CKPT; serve: an HTTP completion server "
-                             "(POST /v1/completions); summary: print the model summary and exit; convert: Hugging "
-                             "Face <-> fxmega checkpoints (--from-hf DIR --save CKPT, or --load CKPT --to-hf DIR)")
+                             "(POST /v1/completions); finetune: sequence classification on --data-path "
+                             "TRAIN.jsonl ({text, label} lines); summary: print the model summary and exit; "
+                             "convert: Hugging Face <-> fxmega checkpoints (--from-hf DIR --save CKPT, or --load "
+                             "CKPT --to-hf DIR)")
     parser.add_argument("--config", help="Python config file setting `config = RunConfig(...)`")
     parser.add_argument("--from-hf", metavar="DIR", help="convert: a Hugging Face model directory to import")
     parser.add_argument("--to-hf", metavar="DIR", help="convert: write the --load checkpoint as a Hugging Face model")
@@ -127,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", default=[], help="a string that ends a completion (repeatable)")
     gen.add_argument("--host", default="127.0.0.1", help="serve: the address to listen on")
     gen.add_argument("--port", type=int, default=8000, help="serve: the port (0: any free one)")
+    tune = parser.add_argument_group("finetune")
+    tune.add_argument("--valid-path", help="finetune: validation jsonl (default: a held-out fraction of the data)")
+    tune.add_argument("--num-classes", type=int, help="finetune: number of classes (default: from the labels)")
     parser.add_argument("--data-path", nargs="+", metavar="[WEIGHT] PREFIX",
                         help="sets data.source: a text file, an indexed-dataset prefix, or a blend 0.7 A 0.3 B")
     for flag, key in FLAG_KEYS.items():
@@ -168,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg.validate(plan.mesh.data_size)
             print(plan.explain())
             return 0
+        if args.command == "finetune":
+            return _finetune(cfg, args)
         if args.command == "eval":
             return _on_mesh(cfg, argv, _eval)
         if args.command == "generate":
@@ -240,6 +247,18 @@ def _eval(cfg: RunConfig, parallel: Any, device: Any) -> None:
         if cfg.train.log_jsonl:
             with open(cfg.train.log_jsonl, "a") as f:
                 f.write(json.dumps(result) + "\n")
+
+
+def _finetune(cfg: RunConfig, args: argparse.Namespace) -> int:
+    """Sequence classification on one device (``fxmega.finetune``)."""
+    from fxmega.finetune import finetune
+
+    if not args.data_path:
+        raise ConfigError('finetune needs --data-path TRAIN.jsonl (JSON lines of {"text": ..., "label": ...})')
+    result = finetune(cfg, args.data_path[0], valid_path=args.valid_path, n_classes=args.num_classes)
+    print(f"finetune: valid loss {result['valid_loss']:.4f}, valid accuracy {result['valid_accuracy']:.3f} "
+          f"over labels {result['labels']}", flush=True)
+    return 0
 
 
 def _generate(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespace) -> None:
