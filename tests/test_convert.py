@@ -84,8 +84,11 @@ def test_command_line_import_then_train_then_export(tmp_path, capsys):
 def test_conversion_errors(tmp_path):
     with pytest.raises(CheckpointError, match="has no config.json"):
         from_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ConfigError, match="model_type 't5': fxmega converts gpt2, llama and bert"):
+        from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
-    with pytest.raises(ConfigError, match="model_type 'bert': fxmega converts gpt2 and llama"):
+    with pytest.raises(CheckpointError, match="has no model.safetensors"):
         from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(_hf_gpt2().config.to_dict()))
     with pytest.raises(CheckpointError, match="no model.safetensors .* never pickled .bin files"):
