@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from fxmega import layers
 from fxmega.errors import ConfigError
+from fxmega.models.checks import require_heads_divide, require_positive
 from fxmega.sharding.layout import local, shard
 from fxmega.spec import ONES, ZEROS, ParamSpec, normal
 
@@ -41,19 +42,13 @@ class Config:
         return self.d_model // self.n_heads
 
     def validate(self, prefix: str = "model") -> None:
-        for name in ("vocab_size", "max_seq_len", "type_vocab_size", "d_model", "n_layers", "n_heads", "d_ff"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be positive")
+        require_positive(self, ("vocab_size", "max_seq_len", "type_vocab_size", "d_model", "n_layers", "n_heads",
+                                "d_ff"), prefix)
         if self.norm_eps <= 0:
             raise ConfigError(f"{prefix}.norm_eps={self.norm_eps} must be positive (BERT uses 1e-12)")
         if self.init_std < 0:
             raise ConfigError(f"{prefix}.init_std={self.init_std} must be >= 0 (BERT uses 0.02)")
-        if self.d_model % self.n_heads:
-            divisors = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and h <= 64]
-            raise ConfigError(
-                f"{prefix}.n_heads={self.n_heads} does not divide {prefix}.d_model={self.d_model}: "
-                f"choose n_heads among {divisors} or change d_model"
-            )
+        require_heads_divide(self.d_model, self.n_heads, prefix)
 
 
 def param_specs(cfg: Config) -> dict:

@@ -15,6 +15,7 @@ import torch
 
 from fxmega import layers
 from fxmega.errors import ConfigError
+from fxmega.models.checks import require_heads_divide, require_positive
 from fxmega.sharding.layout import shard
 from fxmega.spec import ONES, ZEROS, ParamSpec, normal
 
@@ -39,17 +40,10 @@ class Config:
         return self.d_ff or 4 * self.d_model
 
     def validate(self, prefix: str = "model") -> None:
-        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be positive")
+        require_positive(self, ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"), prefix)
         if self.d_ff < 0:
             raise ConfigError(f"{prefix}.d_ff={self.d_ff} must be positive, or 0 for 4 * d_model")
-        if self.d_model % self.n_heads:
-            divisors = [h for h in range(1, self.d_model + 1) if self.d_model % h == 0 and h <= 64]
-            raise ConfigError(
-                f"{prefix}.n_heads={self.n_heads} does not divide {prefix}.d_model={self.d_model}: "
-                f"choose n_heads among {divisors} or change d_model"
-            )
+        require_heads_divide(self.d_model, self.n_heads, prefix)
 
 
 def param_specs(cfg: Config) -> dict:

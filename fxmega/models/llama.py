@@ -14,6 +14,7 @@ import torch
 
 from fxmega import layers
 from fxmega.errors import ConfigError
+from fxmega.models.checks import require_positive
 from fxmega.sharding.layout import shard
 from fxmega.spec import ONES, ParamSpec, normal
 
@@ -40,9 +41,7 @@ class Config:
         return self.n_kv_heads or self.n_heads
 
     def validate(self, prefix: str = "model") -> None:
-        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must be positive")
+        require_positive(self, ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff"), prefix)
         if self.n_kv_heads < 0:
             raise ConfigError(f"{prefix}.n_kv_heads={self.n_kv_heads} must be positive, or 0 for n_heads")
         if self.d_model % self.n_heads:
