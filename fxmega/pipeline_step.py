@@ -25,7 +25,6 @@ from torch.distributed import pipelining
 from torch.distributed.tensor import DTensor, Replicate
 
 from fxmega import layers, tree
-from fxmega.errors import ConfigError
 from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms
 from fxmega.recompute import mode_for_block
 from fxmega.sharding import layout
@@ -76,9 +75,6 @@ class PipelineStep:
         compute = par.compute
         self.recompute = compute.recompute if compute is not None else "none"
         self.recompute_layers = compute.recompute_layers if compute is not None else 0
-        if compute is not None and compute.loss_chunk:
-            raise ConfigError("compute.loss_chunk is not supported with pipeline parallelism yet (the last stage "
-                              "computes the loss from whole logits): set compute.loss_chunk=0")
         self.compiled_stages = compile and pipe.schedule not in SPLIT_BACKWARD
         if compile and not self.compiled_stages and par.rank == 0:  # said, not silently done
             print(f"note: the {pipe.schedule} schedule splits each backward into input and weight gradients by "

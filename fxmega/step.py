@@ -46,9 +46,7 @@ def compiled(fn: Callable, backend: str = "inductor", options: dict | None = Non
         from fxmega.sharding.inspect import aot_eager_backend
 
         return torch.compile(fn, fullgraph=True, dynamic=False, backend=aot_eager_backend())
-    if not options:
-        return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
-    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options)
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options or None)
 
 
 def trainable(params: tree.Tree) -> tree.Tree:

@@ -45,6 +45,25 @@ def set_deterministic() -> None:
         torch.backends.cudnn.benchmark = False
 
 
+def check_compute(cfg: RunConfig, parallel: Any, device: torch.device) -> None:
+    """Refuse, before anything is built, the ``compute`` options this model and mesh cannot
+    honour (no silent fallback)."""
+    c = cfg.compute
+    kernels.check_available(c.kernels, device)
+    if family_name(cfg.model) == "bert" and (c.recompute != "none" or c.loss_chunk):
+        raise ConfigError("compute.recompute and compute.loss_chunk are not implemented for BERT yet: "
+                          "set compute.recompute=none and compute.loss_chunk=0")
+    if not c.loss_chunk or parallel is None:
+        return
+    if parallel.tp > 1:
+        raise ConfigError(f"compute.loss_chunk={c.loss_chunk} works on an unsplit vocabulary; with tp={parallel.tp} "
+                          f"the logits are already split over the vocabulary (vocab-parallel cross-entropy): set "
+                          f"compute.loss_chunk=0")
+    if parallel.plan.pipeline is not None:
+        raise ConfigError("compute.loss_chunk is not supported with pipeline parallelism yet (the last stage "
+                          "computes the loss from whole logits): set compute.loss_chunk=0")
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -69,11 +88,7 @@ class Run:
         if t.deterministic:
             set_deterministic()
         self.device = device or pick_device(t.device)
-        kernels.check_available(cfg.compute.kernels, self.device)
-        if parallel is not None and parallel.tp > 1 and cfg.compute.loss_chunk:
-            raise ConfigError(f"compute.loss_chunk={cfg.compute.loss_chunk} works on an unsplit vocabulary; with "
-                              f"tp={parallel.tp} the logits are already split over the vocabulary (vocab-parallel "
-                              f"cross-entropy): set compute.loss_chunk=0")
+        check_compute(cfg, parallel, self.device)
         self.compute_dtype = precision.compute_dtype(cfg.compute.precision)
         self.scaler = precision.scaler_for(cfg.compute)  # fp16 only
         self.model = model_for(cfg.model)

@@ -45,3 +45,11 @@ def test_hugging_face_bert_converts_and_trains(tmp_path):
     losses, run = _run(f"train.load_dir={tmp_path / 'ckpt'}", steps=1)
     assert run.resume(str(tmp_path / "ckpt"), params_only=True)
     assert torch.isfinite(torch.tensor(losses)).all()
+
+
+def test_compute_options_bert_cannot_honour_are_refused():
+    from fxmega.errors import ConfigError
+
+    for extra in ("compute.recompute=full", "compute.loss_chunk=16"):
+        with pytest.raises(ConfigError, match="not implemented for BERT yet"):
+            _run(extra, steps=0)

@@ -87,12 +87,7 @@ def lm_loss_sum(params: dict, batch: dict[str, torch.Tensor], cfg: object, call:
     With ``call`` the model runs piece by piece (see ``hidden_by_pieces``); ``compute`` (a
     ``ComputeConfig``) adds block recompute and the chunked loss (``loss_chunk``)."""
     model = model_for(cfg)
-    if model is bert:  # masked LM; the whole model is one piece (one ZeRO-3 gather)
-        if compute is not None and (compute.recompute != "none" or compute.loss_chunk):
-            from fxmega.errors import ConfigError
-
-            raise ConfigError("compute.recompute and compute.loss_chunk are not implemented for BERT yet: "
-                              "set them to none / 0")
+    if model is bert:  # masked LM; the whole model is one piece (one ZeRO-3 gather); no recompute
         args = (batch["inputs"], cfg, batch.get("token_types"), batch.get("attention_mask"), batch["targets"],
                 batch.get("loss_mask"))
         if call is None:
