@@ -58,6 +58,7 @@ FLAG_KEYS = {
     "--virtual-stages": "parallel.virtual_stages",
     "--pipeline-layout": "parallel.pipeline_layout",
     "--compile-backend": "train.compile_backend",
+    "--dump-kernels": "train.dump_kernels",
     "--precision": "compute.precision",
     "--grad-reduce": "compute.grad_reduce",
     "--loss-scale": "compute.loss_scale",
@@ -120,6 +121,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --load: take only the parameters; optimizer and step start fresh")
     parser.add_argument("--explain", action="store_true",
                         help="print the sharding plan for --mesh (any size, no processes started) and exit")
+    plan = parser.add_argument_group("plan at any scale (one process, no devices)")
+    plan.add_argument("--plan", action="store_true",
+                      help="print mesh, rank layout, sharding table, stage map, memory per rank and communication per "
+                           "axis for --mesh (any size, checked on a fake process group), then exit")
+    plan.add_argument("--memory-per-device", metavar="SIZE", help="--plan/--mesh auto: memory budget, e.g. 80GB")
+    plan.add_argument("--rank", type=int, help="--plan: also trace this rank's compiled step and list its collectives")
+    plan.add_argument("--show", action="append", default=[], metavar="PATH",
+                      help="--plan: draw how parameter PATH (e.g. blocks.0.mlp.w_in) is split over the mesh")
+    plan.add_argument("--plan-html", metavar="FILE", help="--plan: also write the plan as an HTML page")
+    plan.add_argument("--devices", type=int, help="--mesh auto: how many devices to plan for")
+    plan.add_argument("--device-profile", default="h100",
+                      help="--mesh auto: h100 | h200 | a100, optionally with peak=,memory=,intra=,inter=,per_node=")
     gen = parser.add_argument_group("generate and serve")
     gen.add_argument("--prompt", action="append", default=[], help="generate: a prompt (repeat for a batch)")
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -157,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             return _convert(args)
         if not args.config:
             raise ConfigError("--config is required: a Python config file, e.g. --config configs/tiny_gpt.py")
+        if getattr(args, "flag:--mesh") == "auto":
+            return _auto(args)
         cfg = config_from_args(args).validate(None)  # before any spec or plan is built from it
         if args.summary or args.command == "summary":
             from fxmega.summary import summary
@@ -164,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             cfg.validate()
             print(summary(cfg.model, cfg.train.seq_len))
             return 0
+        if args.plan or args.show or args.plan_html:
+            return _plan(cfg, args)
         if args.explain:
             from fxmega.models import model_for
             from fxmega.sharding.strategy import plan_from
@@ -228,6 +245,43 @@ def _convert(args: argparse.Namespace) -> int:
             print(f"wrote {path} (fxmega_model.json, params/): restores with orbax StandardCheckpointer")
         return 0
     raise ConfigError("convert needs --from-hf/--from-orbax DIR --save CKPT, or --load CKPT --to-hf/--to-orbax DIR")
+
+
+def _plan(cfg: RunConfig, args: argparse.Namespace) -> int:
+    """``--plan``: the whole plan for ``--mesh`` in this process (``fxmega.sharding.report``)."""
+    from fxmega.sharding.report import parse_bytes, plan_report
+
+    budget = parse_bytes(args.memory_per_device) if args.memory_per_device else None
+    if args.plan:
+        print(plan_report(cfg, budget, args.rank, dump_dir=cfg.train.dump_kernels or None), flush=True)
+    if args.show or args.plan_html:
+        from fxmega.models import model_for
+        from fxmega.sharding import visualize
+        from fxmega.sharding.strategy import plan_from
+
+        model = model_for(cfg.model)
+        plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
+        for path in args.show:
+            print(visualize.show_param(plan, path, color=sys.stdout.isatty()), flush=True)
+        if args.plan_html:
+            visualize.write_plan_html(plan, args.plan_html, title=f"{cfg.name} on {plan.mesh.describe()}")
+            print(f"wrote {args.plan_html}", flush=True)
+    return 0
+
+
+def _auto(args: argparse.Namespace) -> int:
+    """``--mesh auto``: rank the layouts for ``--devices`` devices (``fxmega.sharding.auto``)."""
+    from fxmega.sharding import auto
+    from fxmega.sharding.report import parse_bytes
+
+    if args.devices is None:
+        raise ConfigError("--mesh auto needs --devices N: how many devices to plan for")
+    setattr(args, "flag:--mesh", None)
+    cfg = config_from_args(args).validate(None)
+    profile = auto.parse_profile(args.device_profile)
+    budget = parse_bytes(args.memory_per_device) if args.memory_per_device else None
+    print(auto.report(cfg, args.devices, profile, budget), flush=True)
+    return 0
 
 
 def _train_job(cfg: RunConfig, parallel: Any, device: Any, progress: bool) -> None:

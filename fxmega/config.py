@@ -65,6 +65,7 @@ class TrainConfig:
     sample_tokens: int = 0  # tokens to generate after training
     sample_prompt: str = "\n"
     peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 looks it up or measures it
+    dump_kernels: str = ""  # write each compiled graph's FX graph, generated code and kernel index here
 
 
 @dataclass(frozen=True)

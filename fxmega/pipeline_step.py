@@ -94,6 +94,7 @@ class PipelineStep:
                 fn = compiled(fn, backend, options)
             stages.append(pipelining.PipelineStage(_StageModule(fn, tree.leaves(sub)), s.index, pipe.n_stages,
                                                    device, group=pp_group))
+        self.stages = stages  # this rank's PipelineStages (fxmega.sharding.fake traces them one by one)
         cls = getattr(pipelining, SCHEDULES[pipe.schedule][0])
         self.schedule = cls(stages[0] if SCHEDULES[pipe.schedule][1] == "one" else stages, n_micro,
                             loss_fn=self._loss_fn, scale_grads=False)

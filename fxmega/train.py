@@ -335,7 +335,15 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
             beats.start(run.step + 1)
         t0 = time.perf_counter()
         try:
-            m = run.do_step()  # float() of the loss waits for the step to finish
+            if t.dump_kernels and run.step == first_step:  # the first step compiles: dump what it becomes
+                from fxmega.kernel_dump import dump_kernels
+
+                with dump_kernels(t.dump_kernels, rank, parallel.group_labels if parallel is not None else None):
+                    m = run.do_step()
+                echo(f"wrote {t.dump_kernels}/rank{rank}/index.md: compiled graphs, generated code, kernels and "
+                     f"collectives")
+            else:
+                m = run.do_step()  # float() of the loss waits for the step to finish
         except RuntimeError as e:  # a collective that gave up waiting explains who it waited for
             if beats is None:
                 raise

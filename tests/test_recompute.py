@@ -63,14 +63,18 @@ def test_recompute_lowers_peak_memory_of_the_compiled_step():
     procs = {mode: subprocess.Popen([sys.executable, __file__, mode], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env={**env, "TORCHINDUCTOR_CACHE_DIR": str(ROOT / ".cache" / f"inductor-{mode}")},
                                     text=True) for mode in MODES}
-    peaks = {}
+    peaks, predicted = {}, {}
     for mode, proc in procs.items():
         out, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, err[-3000:]
-        peaks[mode] = json.loads(out.strip().splitlines()[-1])["step_bytes"]
+        result = json.loads(out.strip().splitlines()[-1])
+        peaks[mode], predicted[mode] = result["step_bytes"], result["predicted"]
     mib = {m: round(p / 2**20, 1) for m, p in peaks.items()}
-    print(f"compiled forward+backward, peak above the resident set before it (MiB): {mib}")
+    print(f"compiled forward+backward, peak above the resident set before it (MiB): {mib}; predicted by "
+          f"fxmega.sharding.estimate: { {m: round(p / 2**20, 1) for m, p in predicted.items()} }")
     assert peaks["none"] > peaks["selective"] > peaks["full"], mib
+    for mode in MODES:  # the planner's activation estimate against the measured peak
+        assert 0.85 <= predicted[mode] / peaks[mode] <= 1.15, (mode, mib, predicted)
 
 
 def _measure(mode: str) -> dict:
@@ -98,7 +102,10 @@ def _measure(mode: str) -> dict:
     out = fn(flat, batch)
     step = peak_bytes(run.device) - before
     del out
-    return {"mode": mode, "step_bytes": step}
+    from tests.estimate_workers import predicted
+
+    pred = predicted(cfg)
+    return {"mode": mode, "step_bytes": step, "predicted": pred.activations + pred.transient + pred.compute_copy}
 
 
 if __name__ == "__main__":

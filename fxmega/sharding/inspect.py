@@ -60,28 +60,34 @@ class Collective:
         return (w - 1) / w * self.bytes
 
 
+def collectives_in(graph: torch.fx.Graph) -> list[Collective]:
+    """The collectives a (post-grad or AOTAutograd) graph issues, in graph order: one per
+    input tensor of each ``_c10d_functional`` call (``wait_tensor`` left out)."""
+    from torch.distributed.distributed_c10d import _get_group_size_by_name
+
+    found = []
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function" or getattr(target, "namespace", None) != "_c10d_functional":
+            continue
+        name = target._opname if hasattr(target, "_opname") else str(target).split(".")[1]
+        if name in _SKIP:
+            continue
+        group = next((a for a in reversed(node.args) if isinstance(a, str)), "")
+        inputs = node.args[0]
+        vals = [i.meta["val"] for i in (inputs if isinstance(inputs, (list, tuple)) else [inputs])]
+        for val in vals:
+            found.append(Collective(name, group, _get_group_size_by_name(group), tuple(val.shape),
+                                    val.element_size()))
+    return found
+
+
 class _Recorder(CustomGraphPass):
     def __init__(self) -> None:
         self.graphs: list[list[Collective]] = []
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        from torch.distributed.distributed_c10d import _get_group_size_by_name
-
-        found = []
-        for node in graph.nodes:
-            target = node.target
-            if node.op != "call_function" or getattr(target, "namespace", None) != "_c10d_functional":
-                continue
-            name = target._opname if hasattr(target, "_opname") else str(target).split(".")[1]
-            if name in _SKIP:
-                continue
-            group = next((a for a in reversed(node.args) if isinstance(a, str)), "")
-            inputs = node.args[0]
-            vals = [i.meta["val"] for i in (inputs if isinstance(inputs, (list, tuple)) else [inputs])]
-            for val in vals:
-                found.append(Collective(name, group, _get_group_size_by_name(group), tuple(val.shape),
-                                        val.element_size()))
-        self.graphs.append(found)
+        self.graphs.append(collectives_in(graph))
 
     def uuid(self) -> Any:
         return None  # never cache: the pass must see every graph
@@ -112,10 +118,12 @@ def _inspected_nop(gm: torch.fx.GraphModule, example_inputs: list) -> Callable[.
 
 def aot_eager_backend() -> Callable[..., Any]:
     """torch's ``aot_eager`` backend (AOTAutograd's graph, run op by op), with the graphs
-    shown to ``record_collectives`` the way inductor's post-grad pass shows them."""
+    shown to ``record_collectives`` the way inductor's post-grad pass shows them — the
+    backward graphs too, when a compiled function is differentiated outside it (pipeline
+    stages)."""
     from torch._dynamo.backends.debugging import aot_eager
 
-    return functools.partial(aot_eager, fw_compiler=_inspected_nop)
+    return functools.partial(aot_eager, fw_compiler=_inspected_nop, bw_compiler=_inspected_nop)
 
 
 def count_by_op(collectives: list[Collective]) -> Counter:

@@ -1,0 +1,233 @@
+"""``run.py --mesh auto --devices N --memory-per-device 80GB``: search the parallel layouts.
+
+Every candidate is a full fxmega run setting — mesh ``dp x tp x pp``, ZeRO stage, recompute
+mode, pipeline schedule (sequence parallelism is on whenever tp > 1: it only saves memory).
+Each goes through the same planner and checks a real run goes through (``plan_from``,
+``validate``, the schedule's micro-batch rules), so a candidate that does not divide is
+rejected with the planner's own message. The survivors are priced by
+``fxmega.sharding.estimate``: memory per rank against the budget, and step time
+
+    compute  = model FLOPs per rank x (4/3 with full recompute) / (peak x efficiency)
+    tp       = tp bytes / bandwidth of the tp group (NVLink inside a node, else the network)
+    data     = gradient/parameter traffic / its bandwidth, hidden behind the backward
+               (behind the whole step for ZeRO-3's gathers) as far as it fits
+    pipeline = bubble (pp - 1) / (virtual x micro batches) of compute + tp, plus the sends
+    step     = (compute + tp) x (1 + bubble) + exposed data + pipeline sends
+
+and ranked by step time. The estimate prices what fxmega's runtime does (no communication
+overlap inside tp, bucketed data-parallel reductions); it is a planning model, not a
+simulator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from fxmega.config import override
+from fxmega.errors import ConfigError
+from fxmega.metrics import model_flops_per_token
+
+SCHEDULE_CHOICES = (("1f1b", 1), ("interleaved-1f1b", 2))
+RECOMPUTE_CHOICES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str
+    peak_flops: float  # dense bf16 FLOP/s
+    memory: int  # bytes per device
+    intra_bw: float  # bytes/s per direction between devices of a node (NVLink)
+    inter_bw: float  # bytes/s per direction per device across nodes (InfiniBand)
+    per_node: int = 8
+    efficiency: float = 0.6  # fraction of peak the matmuls reach
+
+
+# NVIDIA data sheets: dense bf16; NVLink 4 (H100/H200) 450 GB/s and NVLink 3 (A100) 300 GB/s
+# per direction; one 400 Gb/s (H100/H200) or 200 Gb/s (A100) InfiniBand port per GPU.
+PROFILES = {
+    "h100": DeviceProfile("h100", 989e12, 80 * 10**9, 450e9, 50e9),
+    "h200": DeviceProfile("h200", 989e12, 141 * 10**9, 450e9, 50e9),
+    "a100": DeviceProfile("a100", 312e12, 80 * 10**9, 300e9, 25e9),
+}
+
+
+def parse_profile(text: str) -> DeviceProfile:
+    """``h100`` or ``h100,inter=25e9`` or ``peak=500e12,memory=48e9,intra=100e9,inter=12.5e9,per_node=4``."""
+    parts = [p for p in text.replace(" ", "").split(",") if p]
+    base = PROFILES["h100"]
+    if parts and "=" not in parts[0]:
+        if parts[0].lower() not in PROFILES:
+            raise ConfigError(f"--device-profile {text!r}: unknown device {parts[0]!r}; known: {', '.join(PROFILES)}, "
+                              f"or give peak=,memory=,intra=,inter=,per_node=")
+        base = PROFILES[parts.pop(0).lower()]
+    keys = {"peak": "peak_flops", "memory": "memory", "intra": "intra_bw", "inter": "inter_bw",
+            "per_node": "per_node", "efficiency": "efficiency"}
+    changes: dict[str, Any] = {}
+    for part in parts:
+        key, _, value = part.partition("=")
+        if key not in keys:
+            raise ConfigError(f"--device-profile {text!r}: unknown field {key!r}; fields: {', '.join(keys)}")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ConfigError(f"--device-profile {text!r}: {key}={value!r} is not a number") from None
+        if number <= 0:
+            raise ConfigError(f"--device-profile {text!r}: {key} must be more than zero")
+        changes[keys[key]] = int(number) if key in ("memory", "per_node") else number
+    return dataclasses.replace(base, name="custom" if changes else base.name, **changes)
+
+
+@dataclass
+class Candidate:
+    dp: int
+    tp: int
+    pp: int
+    zero: int
+    recompute: str
+    schedule: str = ""
+    virtual: int = 1
+    memory: int = 0  # peak bytes per device
+    step_s: float = 0.0
+    parts: dict[str, float] = dataclasses.field(default_factory=dict)
+    mfu: float = 0.0
+    reason: str = ""  # why rejected; empty when it is a valid candidate
+
+    @property
+    def mesh(self) -> str:
+        return f"dp={self.dp},tp={self.tp},pp={self.pp}"
+
+    def describe(self) -> str:
+        pipe = f", {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "") if self.pp > 1 else ""
+        return f"{self.mesh}, zero {self.zero}, recompute {self.recompute}{pipe}"
+
+    def assignments(self) -> list[str]:
+        out = [f"parallel.mesh={self.mesh}", f"parallel.zero={self.zero}", f"compute.recompute={self.recompute}",
+               f"parallel.sequence_parallel={'true' if self.tp > 1 else 'false'}"]
+        if self.pp > 1:
+            out += [f"parallel.pipeline_schedule={self.schedule}", f"parallel.virtual_stages={self.virtual}"]
+        return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: Any, devices: int, profile: DeviceProfile) -> list[Candidate]:
+    out = []
+    for tp in _divisors(devices):
+        for pp in _divisors(devices // tp):
+            dp = devices // (tp * pp)
+            zeros = (0, 1) if pp > 1 else (0, 1, 2, 3)
+            schedules = SCHEDULE_CHOICES if pp > 1 else (("", 1),)
+            for zero in zeros:
+                for recompute in RECOMPUTE_CHOICES:
+                    for schedule, virtual in schedules:
+                        out.append(Candidate(dp, tp, pp, zero, recompute, schedule, virtual))
+    return out
+
+
+def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int) -> Candidate:
+    """Fill in ``c``'s memory and step time, or its rejection reason."""
+    from fxmega.models import model_for
+    from fxmega.sharding.report import estimate_plan
+    from fxmega.sharding.strategy import plan_from
+
+    if c.tp > profile.per_node:
+        c.reason = f"tp={c.tp} would span nodes ({profile.per_node} devices per node): tp traffic needs NVLink"
+        return c
+    try:
+        run_cfg = override(cfg, c.assignments())
+        model = model_for(run_cfg.model)
+        plan = plan_from(model.param_specs(run_cfg.model), run_cfg.parallel, model)
+        run_cfg.validate(plan.mesh.data_size)
+        if plan.pipeline is not None:
+            from fxmega.sharding.pipeline import check_microbatches
+
+            check_microbatches(c.schedule, run_cfg.grad_accum_steps(c.dp), c.pp, c.virtual)
+    except ConfigError as e:
+        c.reason = str(e) if len(str(e)) < 240 else str(e)[:240] + "..."
+        return c
+    est = estimate_plan(run_cfg, plan)
+    c.memory = est.peak
+    if c.memory > budget:
+        c.reason = f"needs {c.memory / 1e9:.1f} GB per device, over {budget / 1e9:.1f} GB"
+        return c
+    _price(run_cfg, c, est, profile)
+    return c
+
+
+def _price(cfg: Any, c: Candidate, est: Any, profile: DeviceProfile) -> None:
+    t = cfg.train
+    from fxmega.models import model_for
+
+    specs = model_for(cfg.model).param_specs(cfg.model)
+    devices = c.dp * c.tp * c.pp
+    flops = model_flops_per_token(specs, cfg.model, t.seq_len) * t.global_batch_size * t.seq_len
+    factor = {"none": 1.0, "selective": 1.03, "full": 4 / 3}[c.recompute]
+    compute = flops * factor / devices / (profile.peak_flops * profile.efficiency)
+    tp_bw = profile.intra_bw if c.tp <= profile.per_node else profile.inter_bw
+    data_bw = profile.intra_bw if c.tp * c.dp <= profile.per_node else profile.inter_bw
+    pp_bw = profile.intra_bw if devices <= profile.per_node else profile.inter_bw
+    traffic = est.traffic
+    tp_s = traffic["tp"].bytes_sent / tp_bw if "tp" in traffic else 0.0
+    data_s = sum(v.bytes_sent for k, v in traffic.items() if k not in ("tp", "pp")) / data_bw
+    pp_s = traffic["pp"].bytes_sent / pp_bw if "pp" in traffic else 0.0
+    hidden_behind = compute if c.zero == 3 else compute * 2 / 3
+    exposed = max(0.0, data_s - hidden_behind)
+    n_micro = est.work.n_micro
+    bubble = (c.pp - 1) / (c.virtual * n_micro) if c.pp > 1 else 0.0
+    c.step_s = (compute + tp_s) * (1 + bubble) + exposed + pp_s
+    c.parts = {"compute": compute, "tp": tp_s, "data": data_s, "data exposed": exposed, "bubble": bubble,
+               "pp": pp_s}
+    c.mfu = flops / devices / c.step_s / profile.peak_flops
+
+
+def search(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = None) -> list[Candidate]:
+    """Every candidate for ``devices`` devices, evaluated: valid ones first, fastest first."""
+    if devices < 1:
+        raise ConfigError(f"--devices {devices}: give the number of devices to plan for, e.g. --devices 64")
+    budget = budget or profile.memory
+    done = [evaluate(cfg, c, profile, budget) for c in candidates(cfg, devices, profile)]
+    ok = sorted((c for c in done if not c.reason), key=lambda c: (c.step_s, c.memory))
+    return ok + [c for c in done if c.reason]
+
+
+def report(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = None, top: int = 10) -> str:
+    budget = budget or profile.memory
+    found = search(cfg, devices, profile, budget)
+    ok = [c for c in found if not c.reason]
+    lines = [f"auto plan for {cfg.name} on {devices} x {profile.name} ({budget / 1e9:.0f} GB, "
+             f"{profile.peak_flops / 1e12:.0f} TFLOP/s x {profile.efficiency:.0%}, NVLink {profile.intra_bw / 1e9:.0f} "
+             f"GB/s, network {profile.inter_bw / 1e9:.0f} GB/s, {profile.per_node} per node); global batch "
+             f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens, micro batch {cfg.train.micro_batch_size}",
+             f"{len(found)} candidates, {len(ok)} fit and divide"]
+    rows = [("#", "layout", "memory/device", "step s", "MFU", "compute", "tp", "data (exposed)", "bubble")]
+    for i, c in enumerate(ok[:top], 1):
+        p = c.parts
+        rows.append((str(i), c.describe(), f"{c.memory / 1e9:.1f} GB", f"{c.step_s:.3f}", f"{c.mfu:.0%}",
+                     f"{p['compute']:.3f}", f"{p['tp']:.3f}", f"{p['data']:.3f} ({p['data exposed']:.3f})",
+                     f"{p['bubble']:.0%}"))
+    from fxmega.sharding.report import _table
+
+    lines += _table(rows) if ok else ["  no candidate fits: more devices, more memory per device, or a smaller "
+                                      "micro batch / sequence"]
+    if ok:
+        best = ok[0]
+        lines.append("best: run.py --config ... " + " ".join(f"--set {a}" for a in best.assignments()))
+    lines.append("rejected (by layout; a layout is shown once with the reason of its best setting):")
+    seen: dict[str, Candidate] = {}
+    for c in found:
+        if c.reason and c.mesh not in {o.mesh for o in ok}:
+            prev = seen.get(c.mesh)
+            if prev is None or (c.memory and (not prev.memory or c.memory < prev.memory)):
+                seen[c.mesh] = c
+    for mesh, c in seen.items():
+        tried = sum(1 for o in found if o.mesh == mesh)
+        best_note = f" (lowest: zero {c.zero}, recompute {c.recompute})" if c.memory else ""
+        lines.append(f"  {mesh}: {c.reason}{best_note} [{tried} settings]")
+    partial = sum(1 for c in found if c.reason and c.mesh in {o.mesh for o in ok})
+    if partial:
+        lines.append(f"  ... and {partial} settings of the listed layouts (zero/recompute/schedule) that do not fit")
+    return "\n".join(lines)

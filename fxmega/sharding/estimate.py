@@ -1,0 +1,428 @@
+"""What a step costs each rank, from the plan alone: memory by kind and communication by
+mesh axis. Pure arithmetic over the plan and the run config (no process group, no tensors),
+so it prices a 1,024-rank mesh in milliseconds; ``fxmega.sharding.auto`` ranks thousands of
+candidate meshes with it.
+
+Memory on a rank (pp rank ``r``):
+  parameters   fp32 masters, this rank's shards (exact: the plan's local shapes)
+  gradients    fp32, in the gradient layout (ZeRO-2/3: sharded over dp). Kept between
+               micro batches as accumulation buffers; exact.
+  optimizer    AdamW's two moments, fp32, in the optimizer layout (ZeRO-1+); exact.
+  compute copy bf16/fp16 casts of the weights, read by the forward and kept for the backward
+               (ZeRO-3: one gathered block at a time).
+  activations  what autograd keeps for the backward, per block per micro batch, times the
+               micro batches the schedule keeps in flight (below), plus the head's.
+  transient    the largest short-lived set: the loss's backward over the logits, or one
+               block's backward (recomputed activations and the gradients flowing through).
+
+Per-block activations count the tensors fxmega's own blocks save (``_gpt_block`` and
+``_llama_block`` name each one); tests/test_estimate.py checks them against the tensors
+autograd really saves, and the totals against the measured peak of compiled CPU steps.
+
+Micro batches in flight on pp rank r (n micro batches per step): no pipeline 1; GPipe n;
+1F1B min(pp - r, n); interleaved-1F1B min(2(pp - r - 1) + (v - 1) pp + 1, n v) stage chunks
+of L/(pp v) blocks (Megatron's warm-up count); zero-bubble like interleaved.
+
+Communication per step, bytes each rank sends (ring algorithms: all-reduce 2(W-1)/W of the
+buffer, all-gather and reduce-scatter (W-1)/W of the full buffer), per mesh axis:
+  tp    Megatron's f/g operators: per block two all-reduces forward and two backward of the
+        [tokens, embed] activations (sequence parallel: all-gathers and reduce-scatters of
+        the same total); full recompute repeats the forward's; the embedding, the head and
+        the vocab-parallel cross-entropy add a few more.
+  data  gradient all-reduce (ZeRO-0), reduce-scatter + parameter all-gather (ZeRO-1/2),
+        ZeRO-3's gathers of every piece in the forward and again in the backward, and
+        reduce-scatter of its gradients, per micro batch.
+  pp    each stage boundary sends activations forward and gradients back per micro batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from fxmega.sharding import collectives
+from fxmega.sharding.mesh import DATA_AXES
+from fxmega.sharding.plan import ShardingPlan
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step computes on one data rank."""
+
+    micro_batch: int  # sequences per micro batch
+    seq_len: int
+    n_micro: int  # micro batches per step on each data rank
+    precision: str = "fp32"
+    recompute: str = "none"
+    recompute_layers: int = 0  # 0: every block as ``recompute`` says
+    grad_reduce: str = "fp32"
+    loss_chunk: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def act_bytes(self) -> int:
+        return DTYPE_BYTES[self.precision]
+
+
+def workload_of(cfg: Any, data_size: int) -> Workload:
+    """The ``Workload`` of a ``RunConfig`` on a mesh with ``data_size`` data ranks."""
+    t, c = cfg.train, cfg.compute
+    return Workload(t.micro_batch_size, t.seq_len, max(1, cfg.grad_accum_steps(data_size)), c.precision,
+                    c.recompute, c.recompute_layers, c.grad_reduce, c.loss_chunk)
+
+
+@dataclass
+class MemoryEstimate:
+    pp_rank: int
+    params: int
+    grads: int
+    opt: int
+    compute_copy: int
+    activations: int
+    transient: int
+    blocks: int  # blocks held by this rank
+    in_flight: float  # micro batches (or stage chunks) whose activations are kept at once
+    per_block: int  # saved activation bytes of one block for one micro batch
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.opt
+
+    @property
+    def total(self) -> int:
+        return self.state + self.compute_copy + self.activations + self.transient
+
+
+@dataclass
+class AxisTraffic:
+    bytes_sent: float = 0.0
+    collectives: int = 0
+    ops: dict[str, int] = field(default_factory=dict)
+
+    def add(self, op: str, count: int, buffer_bytes: float, world: int) -> None:
+        if world <= 1 or count <= 0:
+            return
+        factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+        if op in ("send", "recv"):
+            factor = 1.0
+        self.bytes_sent += count * factor * buffer_bytes
+        self.collectives += count
+        self.ops[op] = self.ops.get(op, 0) + count
+
+
+# -- activations of one block -------------------------------------------------------------
+@dataclass(frozen=True)
+class BlockShape:
+    """The tensor sizes one rank's block works on (tp-local heads and mlp)."""
+
+    family: str  # gpt | llama | bert
+    tokens: int  # micro batch x sequence
+    embed: int
+    heads: int  # local query heads
+    kv_heads: int  # local key/value heads
+    head_dim: int
+    mlp: int  # local hidden width of the MLP
+    seq_split: int  # 1, or tp under sequence parallelism (the residual stream is split)
+
+
+def saved_tensors(b: BlockShape, act: int) -> dict[str, tuple[int, bool, str]]:
+    """Every tensor the backward of one block keeps: name -> (bytes, on the residual side
+    (split along seq under sequence parallelism), kind). Kinds: ``input`` (the block's
+    input), ``matmul`` (a matmul's output), ``attention`` (the attention kernel's output and
+    log-sum-exp), ``norm_out`` (a norm's output, the projections' input), ``other`` (norm
+    statistics, activations, products: what selective recompute redoes)."""
+    t, h = b.tokens, b.embed
+    q, kv, f = b.heads * b.head_dim, b.kv_heads * b.head_dim, b.mlp
+    out: dict[str, tuple[int, bool, str]] = {}
+    if b.family == "llama":
+        # RMSNorm in fp32: its fp32 input, the rsqrt statistics and the normalised values
+        for n in ("attn_norm", "mlp_norm"):
+            kind = "input" if n == "attn_norm" else "other"
+            out[f"{n}.input_fp32"] = (t * h * FP32, True, kind)
+            out[f"{n}.rstd"] = (t * FP32, True, "other")
+            out[f"{n}.normed"] = (t * h * act, True, "other")
+            out[f"{n}.output"] = (t * h * act, False, "norm_out")  # gathered (sp): the projections' input
+        out["attn.q"] = (t * q * act, False, "matmul")
+        out["attn.k"] = (t * kv * act, False, "matmul")
+        out["attn.v"] = (t * kv * act, False, "matmul")
+        out["attn.out"] = (t * q * act, False, "attention")
+        out["attn.lse"] = (t * b.heads * FP32, False, "attention")
+        out["attn.wo_out"] = (0, False, "matmul")  # not kept by autograd; kept by selective recompute
+        out["mlp.gate"] = (t * f * act, False, "matmul")
+        out["mlp.up"] = (t * f * act, False, "matmul")
+        out["mlp.silu"] = (t * f * act, False, "other")
+        out["mlp.hidden"] = (t * f * act, False, "other")
+        out["mlp.down_out"] = (0, False, "matmul")
+        return out
+    # GPT (pre-LN) and BERT (post-LN): two LayerNorms, fused QKV, GELU MLP
+    out["input"] = (t * h * act, True, "input")
+    out["attn_norm.stats"] = (2 * t * FP32, True, "other")
+    out["attn_norm.output"] = (t * h * act, False, "norm_out")
+    out["attn.qkv"] = (3 * t * q * act, False, "matmul")
+    out["attn.out"] = (t * q * act, False, "attention")
+    out["attn.lse"] = (t * b.heads * FP32, False, "attention")
+    out["attn.wo_out"] = (0, False, "matmul")
+    out["residual"] = (t * h * act, True, "other")
+    out["mlp_norm.stats"] = (2 * t * FP32, True, "other")
+    out["mlp_norm.output"] = (t * h * act, False, "norm_out")
+    out["mlp.pre_gelu"] = (t * f * act, False, "matmul")
+    out["mlp.gelu"] = (t * f * act, False, "other")
+    out["mlp.out"] = (0, False, "matmul")
+    return out
+
+
+def _size(entry: tuple[int, bool, str], b: BlockShape) -> int:
+    n, residual_side, _ = entry
+    return n // b.seq_split if residual_side else n
+
+
+def block_bytes(b: BlockShape, act: int, mode: str, compiled: bool = True) -> int:
+    """Bytes one block keeps for its backward, per micro batch, under recompute ``mode``:
+    none keeps what autograd saves; selective the block input, the matmul outputs (the
+    output projections' too) and the attention outputs; full the input and the attention
+    outputs (see fxmega.recompute).
+
+    ``compiled``: the compiled step does not keep the norms' outputs, which eager autograd
+    does: measured on CPU (inductor, tests/test_estimate.py), a GPT block adds 14.1 units of
+    [tokens, embed] to the step's peak where eager autograd saves 16.1 — the two norm
+    outputs, recomputed from the kept input and statistics."""
+    t, h = b.tokens, b.embed
+    saved = saved_tensors(b, act)
+    if mode == "none":
+        return sum(_size(e, b) for e in saved.values() if not (compiled and e[2] == "norm_out"))
+    keep = {"selective": ("input", "matmul", "attention"), "full": ("input", "attention")}[mode]
+    total = sum(_size(e, b) for e in saved.values() if e[2] in keep)
+    if b.family == "llama":  # the region's input is the residual in the compute dtype, not its fp32 copy
+        total += (t * h * act - t * h * FP32) // b.seq_split
+    if mode == "selective":  # the two output projections: full [tokens, embed] partial sums
+        total += 2 * t * h * act
+    return total
+
+
+def block_shape(plan: ShardingPlan, model_cfg: Any, family: str, tokens: int) -> BlockShape:
+    """The local sizes of one block on a rank of ``plan`` (tp splits heads and mlp)."""
+    tp = plan.tp
+
+    def local(path: str, dim_name: str, full: int) -> int:
+        lay = plan.params.get(path)
+        if lay is None or lay.tp_dim is None or lay.axes[lay.tp_dim] != dim_name:
+            return full
+        return full // tp
+
+    heads, hd = model_cfg.n_heads, model_cfg.head_dim
+    if family == "llama":
+        kv = model_cfg.kv_heads
+        return BlockShape(family, tokens, model_cfg.d_model, local("blocks.0.attn.wq", "heads", heads),
+                          local("blocks.0.attn.wk", "kv_heads", kv), hd,
+                          local("blocks.0.mlp.w_gate", "mlp", model_cfg.d_ff),
+                          tp if plan.sequence_parallel else 1)
+    ff = model_cfg.ffn_dim if hasattr(model_cfg, "ffn_dim") else model_cfg.d_ff
+    return BlockShape(family, tokens, model_cfg.d_model, local("blocks.0.attn.wqkv", "heads", heads),
+                      local("blocks.0.attn.wqkv", "heads", heads), hd, local("blocks.0.mlp.w_in", "mlp", ff),
+                      tp if plan.sequence_parallel else 1)
+
+
+# -- the whole rank -------------------------------------------------------------------
+def in_flight(plan: ShardingPlan, pp_rank: int, n_micro: int) -> float:
+    """Micro batches of a whole stage set kept at once on ``pp_rank`` (see module docstring),
+    as a multiple of the rank's blocks' activations for one micro batch."""
+    pipe = plan.pipeline
+    if pipe is None:
+        return 1.0
+    pp, v = pipe.pp, pipe.virtual
+    if pipe.schedule == "gpipe":
+        return float(n_micro)
+    if pipe.schedule == "1f1b":
+        return float(min(pp - pp_rank, n_micro))
+    chunks = min(2 * (pp - pp_rank - 1) + (v - 1) * pp + 1, n_micro * v)
+    return chunks / v
+
+
+def memory(plan: ShardingPlan, model_cfg: Any, family: str, work: Workload) -> list[MemoryEstimate]:
+    """A ``MemoryEstimate`` per pp rank (one without pipeline parallelism)."""
+    act = work.act_bytes
+    shape = block_shape(plan, model_cfg, family, work.tokens)
+    vocab_local = plan.padded_vocab_size // (plan.tp if _vocab_split(plan) else 1)
+    out = []
+    for r in range(plan.mesh.size("pp")):
+        mine = [p for p in plan.params.values() if r in plan.pp_owners(p.path)]
+        state = plan.bytes_per_rank(r)
+        blocks = sorted({int(p.path.split(".")[1]) for p in mine if p.path.startswith("blocks.")})
+        gathers = any(p.data_axes["param"] for p in mine)
+        block_params = _block_param_numel(plan, blocks[0] if blocks else 0)
+        if work.precision == "fp32":
+            copy = block_params * FP32 if gathers else 0  # ZeRO-3: one gathered block
+        else:
+            local = sum(p.local_numel("param") for p in mine)
+            copy = block_params * act if gathers else local * act
+        per_block = {m: block_bytes(shape, act, m) for m in ("none", "selective", "full")}
+        modes = [_mode(work, i) for i in blocks]
+        saved = sum(per_block[m] for m in modes)
+        has_head = plan.pipeline is None or any(s.head for s in plan.pipeline.stages_of(r))
+        flight = in_flight(plan, r, work.n_micro)
+        t = work.tokens
+        head_saved = head_transient = 0
+        if has_head:
+            logits_tokens = min(t, work.loss_chunk) if work.loss_chunk else t
+            head_saved = 2 * t * shape.embed * act // shape.seq_split + logits_tokens * vocab_local * FP32
+            head_transient = 2 * logits_tokens * vocab_local * FP32 + logits_tokens * vocab_local * act
+        # one block's backward: what it recomputes, plus the gradients flowing through it
+        worst = max(modes, key=lambda m: per_block["none"] - per_block[m], default="none")
+        block_transient = per_block["none"] - per_block[worst] + t * (2 * shape.embed + shape.mlp) * act
+        if gathers:  # the gathered block's full gradients before their reduce-scatter
+            block_transient += block_params * FP32
+        out.append(MemoryEstimate(r, state["param"], state["grad"], state["opt"], copy,
+                                  int(saved * flight + head_saved * (flight if plan.pipeline else 1)),
+                                  int(max(head_transient, block_transient)), len(blocks), flight,
+                                  per_block[work.recompute if work.recompute else "none"]))
+    return out
+
+
+def _mode(work: Workload, index: int) -> str:
+    first_n = work.recompute_layers
+    return work.recompute if (first_n == 0 or index < first_n) else "none"
+
+
+def _vocab_split(plan: ShardingPlan) -> bool:
+    return any(lay.tp_dim is not None and lay.axes[lay.tp_dim] == "vocab" for lay in plan.params.values())
+
+
+def _block_param_numel(plan: ShardingPlan, index: int) -> int:
+    """Elements of block ``index`` on a rank once gathered over the data axes (tp-local)."""
+    prefix = f"blocks.{index}."
+    return sum(math.prod(p.shape) // (p.tp_size if p.tp_dim is not None else 1)
+               for p in plan.params.values() if p.path.startswith(prefix))
+
+
+# -- communication ---------------------------------------------------------------------
+def communication(plan: ShardingPlan, model_cfg: Any, family: str, work: Workload,
+                  bucket_numel: int = 40_000_000, pp_rank: int = 0) -> dict[str, AxisTraffic]:
+    """Bytes each rank of pp rank ``pp_rank`` sends per step, and collectives, per mesh axis."""
+    mesh, act = plan.mesh, work.act_bytes
+    traffic: dict[str, AxisTraffic] = {}
+    shape = block_shape(plan, model_cfg, family, work.tokens)
+    mine = [p for p in plan.params.values() if pp_rank in plan.pp_owners(p.path)]
+    blocks = sorted({int(p.path.split(".")[1]) for p in mine if p.path.startswith("blocks.")})
+    n = work.n_micro
+    tp = plan.tp
+    if tp > 1:
+        _tp_traffic(plan, work, shape, blocks, pp_rank, traffic.setdefault("tp", AxisTraffic()))
+    data_axes = tuple(a for a in DATA_AXES if mesh.size(a) > 1)
+    if data_axes:
+        data = traffic.setdefault("+".join(data_axes), AxisTraffic())
+        _data_traffic(plan, mine, work, bucket_numel, data)
+        data.add("all_reduce", 1, FP32, mesh.data_size)  # the step's loss, summed over data ranks
+    if mesh.world_size > 1:  # the global gradient norm (on the one axis's group when only one is split)
+        split = [a for a in mesh.names if mesh.size(a) > 1]
+        world = "world" if len(split) > 1 else ("+".join(data_axes) if split[0] in DATA_AXES else split[0])
+        traffic.setdefault(world, AxisTraffic()).add("all_reduce", 1, FP32, mesh.world_size)
+    pipe = plan.pipeline
+    if pipe is not None:
+        pt = traffic.setdefault("pp", AxisTraffic())
+        boundary = work.tokens * shape.embed * act // shape.seq_split
+        stages = pipe.stages_of(pp_rank)
+        sends = sum(1 for s in stages if s.index < pipe.n_stages - 1) + sum(1 for s in stages if s.index > 0)
+        pt.add("send", sends * n, boundary, 2)
+        if any(len(plan.pp_owners(p.path)) > 1 for p in mine):  # the tied embedding's gradient
+            tied = sum(p.local_numel("opt") for p in mine if len(plan.pp_owners(p.path)) > 1)
+            pt.add("all_reduce", 1, tied * FP32, 2)
+    return traffic
+
+
+def _tp_traffic(plan: ShardingPlan, work: Workload, shape: BlockShape, blocks: list[int], pp_rank: int,
+                out: AxisTraffic) -> None:
+    """Collectives over tp, as the compiled step holds them (counted in traced graphs of GPT
+    and Llama steps on fake meshes; tests/test_plan_scale.py compares them exactly without
+    recompute). Under full recompute the remat pass decides which forward collectives it
+    redoes; the counts here (one all-reduce per block, two gathers and scatters with
+    sequence parallelism) are close to, not equal to, what it does."""
+    tp, n, act = plan.tp, work.n_micro, work.act_bytes
+    act_bytes = work.tokens * shape.embed * act
+    full = [i for i in blocks if _mode(work, i) == "full"]
+    has_head = plan.pipeline is None or any(s.head for s in plan.pipeline.stages_of(pp_rank))
+    has_embed = plan.pipeline is None or any(s.embed for s in plan.pipeline.stages_of(pp_rank))
+    norms = [p for p in plan.params.values() if p.path.startswith("blocks.0.") and "norm" in p.path]
+    final_norms = [p for p in plan.params.values() if p.path.startswith("final_norm")]
+    if plan.sequence_parallel:
+        # per block: all-gather before and reduce-scatter after each sublayer, forward and
+        # backward (full recompute gathers and scatters the forward's again); the norms'
+        # weight gradients are partial sums over the sequence shards: one all-reduce each
+        redone = [i for i in blocks if _mode(work, i) != "none"]  # recompute redoes the forward's gathers
+        out.add("all_gather", (4 * len(blocks) + 2 * len(redone)) * n, act_bytes, tp)
+        out.add("reduce_scatter", (4 * len(blocks) + 2 * len(full)) * n, act_bytes, tp)
+        out.add("all_reduce", len(norms) * len(blocks) * n, shape.embed * FP32, tp)
+        if has_embed:  # the embedding's partial sums scattered onto sequence shards, gathered back in
+            # the backward; learned positions: their gradient gathered from the sequence shards
+            positions = any("position" in p.axes for p in plan.params.values())
+            out.add("reduce_scatter", n, act_bytes, tp)
+            out.add("all_gather", n * (2 if positions else 1), act_bytes, tp)
+        if has_head:  # gathered for the output projection, its gradient scattered back
+            out.add("all_gather", n, act_bytes, tp)
+            out.add("reduce_scatter", n, act_bytes, tp)
+            out.add("all_reduce", len(final_norms) * n, shape.embed * FP32, tp)
+    else:
+        # Megatron's f/g: two all-reduces per block forward and two backward; full recompute
+        # repeats one of them (the attention's output is kept, see fxmega.recompute)
+        out.add("all_reduce", (4 * len(blocks) + len(full) + (1 if full else 0)) * n, act_bytes, tp)
+        if has_embed and _vocab_split(plan):
+            out.add("all_reduce", n, act_bytes, tp)  # the vocab-parallel embedding's partial sums
+        if has_head:
+            out.add("all_reduce", n, act_bytes, tp)  # the head's input gradient
+    if has_head:
+        # vocab-parallel cross-entropy: max, sum of exp, target logit; then the loss's partial sum
+        out.add("all_reduce", 3 * n, work.tokens * FP32, tp)
+        out.add("all_reduce", n, FP32, tp)
+
+
+def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: int, out: AxisTraffic) -> None:
+    reduce = FP32 if work.grad_reduce == "fp32" else 2
+    world = plan.mesh.data_size
+    sharded = [p for p in mine if p.data_axes["opt"]]
+    replicated = [p for p in mine if not p.data_axes["opt"]]
+    gathered = [p for p in mine if p.data_axes["param"]]
+    n = work.n_micro
+
+    def full_numel(ps: list) -> list[int]:  # tp-local, unsharded over the data axes
+        return [p.local_numel("param") * p.data_split("param") for p in ps]
+
+    if gathered:  # ZeRO-3 / FSDP: per micro batch, per piece: gather, re-gather, reduce-scatter
+        pieces = _pieces(gathered)
+        copy = DTYPE_BYTES[work.precision]
+        for numel in pieces:
+            out.add("reduce_scatter", n, numel * reduce, world)
+        for numel in pieces[:-1]:  # gathered again in the backward, but for the last piece (still there)
+            out.add("all_gather", 2 * n, numel * copy, world)
+        out.add("all_gather", n, pieces[-1] * copy, world)
+    grads_sharded_per_micro = [p for p in sharded if p.data_axes["grad"] and not p.data_axes["param"]]
+    if grads_sharded_per_micro:  # ZeRO-2
+        for bucket in collectives.buckets(full_numel(grads_sharded_per_micro), bucket_numel):
+            numel = sum(full_numel(grads_sharded_per_micro)[i] for i in bucket)
+            out.add("reduce_scatter", n, numel * reduce, world)
+    step_scatter = [p for p in sharded if not p.data_axes["grad"]]
+    if step_scatter:  # ZeRO-1: once per step
+        for bucket in collectives.buckets(full_numel(step_scatter), bucket_numel):
+            out.add("reduce_scatter", 1, sum(full_numel(step_scatter)[i] for i in bucket) * reduce, world)
+    refresh = [p for p in sharded if not p.data_axes["param"]]
+    if refresh:  # ZeRO-1/2: the updated shards gathered back into every replica
+        for bucket in collectives.buckets(full_numel(refresh), bucket_numel):
+            out.add("all_gather", 1, sum(full_numel(refresh)[i] for i in bucket) * FP32, world)
+    if replicated:  # plain data parallelism
+        for bucket in collectives.buckets(full_numel(replicated), bucket_numel):
+            out.add("all_reduce", 1, sum(full_numel(replicated)[i] for i in bucket) * reduce, world)
+
+
+def _pieces(params: list) -> list[int]:
+    """Gathered elements per model piece (embedding, each block, head): ZeRO-3's buckets."""
+    pieces: dict[str, int] = {}
+    for p in params:
+        parts = p.path.split(".")
+        key = ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
+        pieces[key] = pieces.get(key, 0) + p.local_numel("param") * p.data_split("param")
+    return list(pieces.values())

@@ -1,0 +1,149 @@
+"""Any mesh in one process: torch's fake process group and meta tensors.
+
+``fake_world(world_size, rank)`` makes this process rank ``rank`` of a world that does not
+exist: collectives return at once without moving data, and tensors on the ``meta`` device
+have shapes but no storage. On top of it fxmega builds the same DeviceMesh, ``Parallel``
+and DTensors a real run builds, so the plan for 8x4x2 (64 ranks) or 1,024 ranks is
+checked, and one rank's whole training step traced, on a laptop:
+
+    with fake_world(64, rank=5):
+        par = fake_parallel(cfg)           # this rank's Parallel on the fake mesh
+        params = meta_params(par)          # its shards, as meta DTensors' local tensors
+        graphs = trace_rank_step(cfg, par) # the compiled step's collectives (aot_eager)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxmega import tree
+from fxmega.errors import ConfigError
+from fxmega.sharding.inspect import Collective, record_collectives
+from fxmega.sharding.mesh import MeshSpec, build_device_mesh
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """This process as rank ``rank`` of a fake ``world_size``-rank process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"--rank {rank}: the mesh has ranks 0..{world_size - 1}")
+    if dist.is_initialized():
+        raise ConfigError("a process group already exists in this process; plan in a fresh process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def fake_parallel(cfg: Any, rank: int) -> Any:
+    """This rank's ``Parallel`` on the fake process group (as ``distributed.setup`` builds it
+    in a real run, without printing)."""
+    from fxmega.models import model_for
+    from fxmega.sharding.distributed import local_specs
+    from fxmega.sharding.runtime import Parallel
+    from fxmega.sharding.strategy import plan_from
+
+    mesh = MeshSpec.parse(cfg.parallel.mesh)
+    model = model_for(cfg.model)
+    plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
+    device_mesh = build_device_mesh(mesh, "cpu")
+    local = local_specs(model.param_specs(cfg.model), plan, mesh.coords(rank)["pp"])
+    return Parallel(plan, device_mesh, rank, local, cfg.parallel.bucket_size, cfg.parallel.zero3_regather,
+                    cfg.compute)
+
+
+def meta_params(par: Any) -> tree.Tree:
+    """This rank's parameter shards as meta tensors (shapes only), ready for a step."""
+    return tree.map_with_path(
+        lambda path, _: torch.empty(par.plan.params[path].local_shape("param"), device="meta", requires_grad=True),
+        par.specs)
+
+
+def check_placements(par: Any) -> int:
+    """Wrap every local shard as a DTensor over the whole (fake) mesh and check that its
+    global shape and local shape are the plan's; returns how many were checked."""
+    n = 0
+    for path, _ in tree.items(meta_params(par)):
+        lay = par.plan.params[path]
+        for kind in ("param", "grad", "opt"):
+            dt = par.as_dtensor(torch.empty(lay.local_shape(kind), device="meta"), lay, kind)
+            if tuple(dt.shape) != lay.shape or tuple(dt.to_local().shape) != lay.local_shape(kind):
+                raise AssertionError(f"{path} ({kind}): DTensor {tuple(dt.shape)} local {tuple(dt.to_local().shape)}"
+                                     f" vs plan {lay.shape} local {lay.local_shape(kind)}")
+            n += 1
+    return n
+
+
+@dataclass
+class RankTrace:
+    graphs: list[list[Collective]]  # per compiled graph, its collectives in order
+    labels: dict[str, str]  # process-group name -> mesh axes
+    seconds: float
+
+    def by_axis(self) -> dict[str, dict[str, tuple[int, float]]]:
+        """axis -> op -> (count, bytes of the inputs)."""
+        out: dict[str, dict[str, tuple[int, float]]] = {}
+        for graph in self.graphs:
+            for c in graph:
+                axis = self.labels.get(c.group, c.group)
+                n, b = out.setdefault(axis, {}).get(c.op, (0, 0.0))
+                out[axis][c.op] = (n + 1, b + c.bytes)
+        return out
+
+
+def trace_rank_step(cfg: Any, par: Any) -> RankTrace:
+    """Compile this rank's training step on meta tensors with the aot_eager backend (the
+    forward, backward and update graphs, collectives included; no kernels are generated)
+    and return the collectives each graph holds, each compiled graph once (a step of n
+    micro batches runs the accumulation graph n - 1 times). With pp, the rank's stages are
+    traced for one micro batch each, forward and backward; the schedule's sends and the
+    update are not in the trace."""
+    from fxmega.optim import AdamWHyper, decay_mask
+
+    start = time.perf_counter()
+    params = meta_params(par)
+    opt = {"step": torch.zeros((), device="meta"),
+           "exp_avg": [torch.zeros(lay.local_shape("opt"), device="meta") for lay in par.layouts],
+           "exp_avg_sq": [torch.zeros(lay.local_shape("opt"), device="meta") for lay in par.layouts]}
+    t = cfg.train
+    hyper = AdamWHyper(cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay)
+    decay = decay_mask(par.specs, cfg.optim.decay_embeddings)
+    batch = {"inputs": torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta"),
+             "targets": torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta")}
+    with record_collectives() as graphs:
+        if par.plan.pipeline is None:
+            from fxmega.step import TrainStep
+
+            step = TrainStep(par.loss_sum_fn(cfg.model), decay, hyper, cfg.optim.clip_grad, compile=True,
+                             parallel=par, backend="aot_eager")
+            step(params, opt, [batch], 1e-4, n_tokens=torch.tensor(float(batch["targets"].numel())))
+        else:
+            _trace_stages(cfg, par, params, decay, hyper, batch)
+    return RankTrace(graphs, par.group_labels(), time.perf_counter() - start)
+
+
+def _trace_stages(cfg: Any, par: Any, params: tree.Tree, decay: list, hyper: Any, batch: dict) -> None:
+    from fxmega.models import model_for
+    from fxmega.pipeline_step import PipelineStep
+
+    params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), params)
+    n_micro = max(cfg.grad_accum_steps(par.data_size), par.plan.pipeline.pp)
+    step = PipelineStep(par, cfg.model, model_for(cfg.model), params, decay, hyper, cfg.optim.clip_grad, n_micro,
+                        True, torch.device("meta"), backend="aot_eager")
+    for stage in step.stages:
+        first = stage.stage_index == 0
+        x = batch["inputs"] if first else torch.zeros(
+            (*batch["inputs"].shape, cfg.model.d_model), device="meta", requires_grad=True)
+        out = stage.submod(x)
+        ps = [p for p in stage.submod.parameters()]
+        torch.autograd.grad(out.float().sum(), ps + ([] if first else [x]), allow_unused=True)

@@ -1,0 +1,213 @@
+"""``run.py --plan``: everything a run on this mesh would do, printed before a cluster hour is
+spent — the resolved mesh and its rank layout, the per-parameter sharding table and
+pipeline stage map, per-rank memory by kind against ``--memory-per-device`` with a verdict,
+and communication per step per mesh axis. The plan is checked on the real DeviceMesh and
+DTensors, built on torch's fake process group (``fxmega.sharding.fake``); with ``--rank r``
+that rank's whole step is also traced and its collectives listed.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from fxmega.errors import ConfigError
+from fxmega.sharding import estimate
+from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
+from fxmega.sharding.plan import ShardingPlan, _fmt_bytes
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``80GB`` (10^9 bytes per GB, as GPU data sheets count), ``80GiB`` (2^30), ``8e10``."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"--memory-per-device {text!r}: write a size like 80GB, 141GB, 24GiB or 8e10 (bytes)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise ConfigError(f"--memory-per-device {text!r} must be more than zero")
+    return int(value)
+
+
+@dataclass
+class PlanEstimate:
+    """The estimates of one plan: memory per pp rank and traffic per axis (of pp rank 0 and
+    of every pp rank for the pipeline's own traffic)."""
+
+    plan: ShardingPlan
+    work: estimate.Workload
+    memory: list[estimate.MemoryEstimate]
+    traffic: dict[str, estimate.AxisTraffic]
+
+    @property
+    def peak(self) -> int:
+        return max(m.total for m in self.memory)
+
+
+def estimate_plan(cfg: Any, plan: ShardingPlan) -> PlanEstimate:
+    from fxmega.models import family_name
+
+    work = estimate.workload_of(cfg, plan.mesh.data_size)
+    family = family_name(cfg.model)
+    mem = estimate.memory(plan, cfg.model, family, work)
+    traffic = estimate.communication(plan, cfg.model, family, work, cfg.parallel.bucket_size)
+    return PlanEstimate(plan, work, mem, traffic)
+
+
+def rank_layout(mesh: MeshSpec, limit: int = 8) -> list[str]:
+    """How ranks are numbered and which ranks form each axis' groups (first few)."""
+    lines = [f"mesh: {mesh.describe()}; rank = " + " + ".join(
+        f"{a}*{_stride(mesh, a)}" if _stride(mesh, a) > 1 else a for a in mesh.names) + " (tp fastest, pp slowest)"]
+    for axis in mesh.names:
+        groups = _groups(mesh, axis)
+        shown = ", ".join("[" + _ranks(g) + "]" for g in groups[:3]) + (" ..." if len(groups) > 3 else "")
+        lines.append(f"  {axis} groups ({len(groups)} of {mesh.size(axis)} ranks): {shown}")
+    lines.append(mesh.rank_table(limit))
+    return lines
+
+
+def _stride(mesh: MeshSpec, axis: str) -> int:
+    names = list(mesh.names)
+    stride = 1
+    for a in reversed(names[names.index(axis) + 1:]):
+        stride *= mesh.size(a)
+    return stride
+
+
+def _groups(mesh: MeshSpec, axis: str) -> list[list[int]]:
+    by_key: dict[tuple, list[int]] = {}
+    for r in range(mesh.world_size):
+        c = mesh.coords(r)
+        by_key.setdefault(tuple(c[a] for a in PHYSICAL_ORDER if a != axis), []).append(r)
+    return list(by_key.values())
+
+
+def _ranks(group: list[int]) -> str:
+    if len(group) > 2 and all(b - a == group[1] - group[0] for a, b in zip(group, group[1:])):
+        step = group[1] - group[0]
+        return f"{group[0]}..{group[-1]}" + (f" step {step}" if step > 1 else "")
+    return ",".join(map(str, group))
+
+
+def memory_table(est: PlanEstimate, budget: int | None) -> list[str]:
+    w = est.work
+    lines = [f"memory per rank (micro batch {w.micro_batch} x seq {w.seq_len}, {w.n_micro} micro batch(es) per step, "
+             f"{w.precision}, recompute {w.recompute}; fp32 masters and AdamW state)"]
+    rows = [("pp rank", "blocks", "params", "grads", "AdamW", "compute copy", "activations", "transient", "total")]
+    for m in est.memory:
+        rows.append((str(m.pp_rank), str(m.blocks), *map(_fmt_bytes, (m.params, m.grads, m.opt, m.compute_copy)),
+                     f"{_fmt_bytes(m.activations)} ({m.in_flight:g} mb)", _fmt_bytes(m.transient),
+                     _fmt_bytes(m.total)))
+    lines += _table(rows)
+    worst = max(est.memory, key=lambda m: m.total)
+    if budget is None:
+        lines.append(f"peak {_fmt_bytes(worst.total)} on pp rank {worst.pp_rank} (give --memory-per-device for a "
+                     f"verdict)")
+    elif worst.total <= budget:
+        lines.append(f"fits: peak {_fmt_bytes(worst.total)} on pp rank {worst.pp_rank} is "
+                     f"{100 * worst.total / budget:.0f}% of {_fmt_bytes(budget)} per device")
+    else:
+        lines.append(f"OOM: pp rank {worst.pp_rank} needs {_fmt_bytes(worst.total)} but a device has "
+                     f"{_fmt_bytes(budget)} ({_fmt_bytes(worst.total - budget)} over). " + _advice(est, worst))
+    return lines
+
+
+def _advice(est: PlanEstimate, m: estimate.MemoryEstimate) -> str:
+    """The biggest item first, and what shrinks it."""
+    items = {"activations": m.activations + m.transient, "AdamW state": m.opt, "gradients": m.grads,
+             "parameters": m.params + m.compute_copy}
+    big = max(items, key=items.get)
+    fixes = {"activations": "--recompute selective or full, a smaller --micro-batch-size, --sequence-parallel, or "
+                            "more tp",
+             "AdamW state": "--zero 1 (shard it over dp), or more tp/pp",
+             "gradients": "--zero 2, or more tp/pp",
+             "parameters": "--zero 3, or more tp/pp"}
+    return f"Largest: {big} ({_fmt_bytes(items[big])}); try {fixes[big]} — or --mesh auto to search"
+
+
+def traffic_table(est: PlanEstimate) -> list[str]:
+    if not est.traffic:
+        return ["communication: none (one device)"]
+    lines = ["communication per step, pp rank 0 (bytes each rank sends, ring algorithms):"]
+    rows = [("axis", "bytes/step", "collectives", "of which")]
+    for axis, t in est.traffic.items():
+        rows.append((axis, _fmt_bytes(t.bytes_sent), str(t.collectives),
+                     ", ".join(f"{op} x{n}" for op, n in sorted(t.ops.items()))))
+    return lines + _table(rows)
+
+
+def _table(rows: list[tuple]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for i, r in enumerate(rows):
+        out.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        if i == 0:
+            out.append("  " + "  ".join("-" * w for w in widths))
+    return out
+
+
+def plan_report(cfg: Any, budget: int | None = None, rank: int | None = None, verify: bool = True,
+                dump_dir: str | None = None) -> str:
+    """The ``--plan`` text for ``cfg`` (its ``parallel.mesh``), optionally tracing ``rank``
+    (and writing its traced graphs under ``dump_dir``, see ``fxmega.kernel_dump``)."""
+    from fxmega.models import model_for
+    from fxmega.sharding.strategy import plan_from
+
+    model = model_for(cfg.model)
+    plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
+    cfg.validate(plan.mesh.data_size)
+    est = estimate_plan(cfg, plan)
+    lines = rank_layout(plan.mesh) + [""] + _collapse_blocks(plan.explain().splitlines(), cfg.model.n_layers)
+    lines += [""] + memory_table(est, budget)
+    lines += [""] + traffic_table(est)
+    if verify or rank is not None:
+        lines += [""] + _on_fake_mesh(cfg, plan, rank, dump_dir)
+    return "\n".join(lines)
+
+
+def _collapse_blocks(lines: list[str], n_layers: int) -> list[str]:
+    """The sharding table with block 0's rows standing for every block (they are laid out
+    alike; the stage map says which pp rank holds which block)."""
+    out, said = [], False
+    for line in lines:
+        m = re.match(r"blocks\.(\d+)\.", line)
+        if m and m.group(1) != "0":
+            if not said and n_layers > 1:
+                out.append(f"blocks.1 .. blocks.{n_layers - 1}: laid out as blocks.0")
+                said = True
+            continue
+        out.append(line)
+    return out
+
+
+def _on_fake_mesh(cfg: Any, plan: ShardingPlan, rank: int | None, dump_dir: str | None = None) -> list[str]:
+    import contextlib
+
+    from fxmega.kernel_dump import dump_kernels
+    from fxmega.sharding import fake
+
+    who = 0 if rank is None else rank
+    with fake.fake_world(plan.mesh.world_size, who):
+        par = fake.fake_parallel(cfg, who)
+        n = fake.check_placements(par)
+        lines = [f"checked on a fake {plan.mesh.world_size}-rank process group: rank {who}'s {len(par.layouts)} "
+                 f"parameters as DTensors over the mesh ({n} param/grad/opt layouts), shapes as planned"]
+        if rank is None:
+            return lines
+        dumping = dump_kernels(dump_dir, rank, par.group_labels) if dump_dir else contextlib.nullcontext()
+        with dumping:
+            trace = fake.trace_rank_step(cfg, par)
+        if dump_dir:
+            lines.append(f"wrote {dump_dir}/rank{rank}/: the traced FX graphs (aot_eager on meta tensors: no kernels; "
+                         f"a real run with --dump-kernels adds inductor's code) and index.md")
+    coords = ", ".join(f"{a}={c}" for a, c in plan.mesh.coords(rank).items() if a in plan.mesh.names)
+    lines.append(f"rank {rank} ({coords}): step traced on meta tensors in {trace.seconds:.1f} s, "
+                 f"{len(trace.graphs)} graph(s); collectives:")
+    rows = [("axis", "op", "count", "bytes (inputs)")]
+    for axis, ops in sorted(trace.by_axis().items()):
+        for op, (count, size) in sorted(ops.items()):
+            rows.append((axis, op, str(count), _fmt_bytes(size)))
+    return lines + (_table(rows) if len(rows) > 1 else ["  none"])

@@ -1,0 +1,101 @@
+"""Workers for tests/test_estimate.py: measure what a rank really allocates and the peak of
+its compiled forward+backward, next to what ``fxmega.sharding.estimate`` predicts."""
+
+from __future__ import annotations
+
+import torch
+
+from fxmega import tree
+from fxmega.config import load, override
+from fxmega.models import family_name, model_for
+from fxmega.sharding import distributed, estimate
+from fxmega.sharding.mesh import MeshSpec
+from fxmega.sharding.strategy import plan_from
+from tests.multirank import ROOT
+
+
+def config(sets: list[str]):
+    """``configs/tiny_gpt.py`` (or the config named by a first item ``@tiny_llama``) with ``sets``."""
+    name = next((s[1:] for s in sets if s.startswith("@")), "tiny_gpt")
+    sets = [s for s in sets if not s.startswith("@")]
+    return override(load(ROOT / "configs" / f"{name}.py"), ["train.device=cpu", *sets])
+
+
+def predicted(cfg, pp_rank: int = 0) -> estimate.MemoryEstimate:
+    model = model_for(cfg.model)
+    plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
+    work = estimate.workload_of(cfg, plan.mesh.data_size)
+    return estimate.memory(plan, cfg.model, family_name(cfg.model), work)[pp_rank]
+
+
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def state_bytes(sets: list[str]) -> dict:
+    """Bytes this rank's parameters, AdamW moments and gradient-accumulation buffers hold
+    after one eager step, and the prediction for this rank."""
+    from fxmega.train import Run
+
+    cfg = config(["train.compile=false", *sets])
+    par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
+    run = Run(cfg, par, device)
+    run.do_step()
+    step = run.train_step
+    accum = getattr(step, "_accum_buffers", None)
+    pred = predicted(cfg, par.coords["pp"])
+    return {"params": _nbytes(tree.leaves(run.params)),
+            "opt": _nbytes(run.opt_state["exp_avg"]) + _nbytes(run.opt_state["exp_avg_sq"]),
+            "grads": _nbytes(accum) if accum is not None else None,
+            "pred": {"params": pred.params, "opt": pred.opt, "grads": pred.grads}}
+
+
+def step_peak(sets: list[str]) -> dict:
+    """The peak a compiled (inductor) forward+backward adds above the resident set before it
+    (the second call: the first compiles), and the predicted activations + transient."""
+    from fxmega.memory import current_bytes, peak_bytes, reset_peak
+    from fxmega.recompute import inductor_options
+    from fxmega.step import compiled, enable_autograd_in_compile
+    from fxmega.train import Run
+
+    torch.set_num_threads(1)
+    cfg = config(["train.compile=false", *sets])
+    mesh = MeshSpec.parse(cfg.parallel.mesh)
+    par, device = distributed.setup(cfg, mesh) if mesh.world_size > 1 else (None, torch.device("cpu"))
+    run = Run(cfg, par, device)
+    flat = tree.leaves(run.params)
+    loss_sum = par.loss_sum_fn(cfg.model) if par is not None else run._single_device_loss_sum
+    batch = run.train_data.global_batch(0, cfg.train.micro_batch_size * mesh.data_size)
+    if par is not None:
+        batch = run._my_micro_batches(batch)[0]
+    enable_autograd_in_compile()
+
+    def loss_and_grads(flat: list[torch.Tensor], batch: dict) -> tuple:
+        loss = loss_sum(flat, batch)
+        return loss.detach(), torch.autograd.grad(loss, flat)
+
+    fn = compiled(loss_and_grads, options=inductor_options(cfg.compute.recompute != "none"))
+    fn(flat, batch)
+    reset_peak(device)
+    before = current_bytes(device)
+    out = fn(flat, batch)
+    measured = peak_bytes(device) - before
+    del out
+    pred = predicted(cfg, par.coords["pp"] if par is not None else 0)
+    return {"measured": measured, "predicted": pred.activations + pred.transient + pred.compute_copy,
+            "activations": pred.activations, "transient": pred.transient}
+
+
+if __name__ == "__main__":  # python -m tests.estimate_workers WORLD SETS...: step_peak per rank, as JSON
+    import json
+    import os
+    import sys
+
+    from tests.multirank import run_ranks
+
+    world = int(sys.argv[1])
+    result = [step_peak(sys.argv[2:])] if world == 1 else run_ranks(world, "tests.estimate_workers:step_peak",
+                                                                    sys.argv[2:])
+    print(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,185 @@
+"""``--plan`` at any scale in one process (fake process group, meta tensors), the estimates
+of memory and communication, and the automatic planner."""
+
+import pytest
+
+from fxmega.cli import main
+from fxmega.config import load, override
+from fxmega.errors import ConfigError
+from fxmega.models import model_for
+from fxmega.sharding import auto, estimate
+from fxmega.sharding.fake import fake_parallel, fake_world, trace_rank_step
+from fxmega.sharding.mesh import MeshSpec
+from fxmega.sharding.report import estimate_plan, parse_bytes, plan_report
+from fxmega.sharding.strategy import plan_from
+from tests.multirank import ROOT
+
+
+def cfg_of(name: str, *sets: str):
+    return override(load(ROOT / "configs" / f"{name}.py"), list(sets))
+
+
+def plan_of(cfg):
+    model = model_for(cfg.model)
+    return plan_from(model.param_specs(cfg.model), cfg.parallel, model)
+
+
+def test_64_rank_plan_in_one_process():
+    cfg = cfg_of("tiny_gpt", "parallel.mesh=8x4x2", "train.global_batch_size=64")
+    text = plan_report(cfg, parse_bytes("1GB"), rank=37)
+    for expected in ["pp=2 x dp=8 x tp=4 (64 ranks)", "tp groups (16 of 4 ranks): [0..3]",
+                     "dp groups (8 of 8 ranks): [0..28 step 4]", "stage 0 on pp rank 0", "stage 1 on pp rank 1",
+                     "fits: peak", "checked on a fake 64-rank process group", "rank 37 (pp=1, dp=1, tp=1)",
+                     "blocks.1 .. blocks.1: laid out as blocks.0"]:
+        assert expected in text, (expected, text)
+    for axis in ("tp", "dp", "pp", "world"):
+        assert f"\n  {axis} " in text
+    assert "tp    all_reduce" in text  # the traced stage's collectives
+
+
+@pytest.mark.parametrize("name,verdict", [("llama2_7b", "fits"), ("llama2_70b", "OOM")])
+def test_llama_7b_and_70b_plan_on_8x4x2(name, verdict, capsys):
+    assert main(["--config", f"configs/{name}.py", "--mesh", "8x4x2", "--plan", "--memory-per-device", "80GB",
+                 "--bf16"]) == 0
+    out = capsys.readouterr().out
+    assert f"\n{verdict}" in out and "checked on a fake 64-rank process group" in out
+    if verdict == "OOM":  # names the biggest item and what shrinks it
+        assert "Largest: " in out and "--mesh auto" in out
+
+
+def test_1024_ranks_plan():
+    cfg = cfg_of("llama2_70b", "parallel.mesh=dp=16,tp=8,pp=8", "parallel.zero=1",
+                 "parallel.sequence_parallel=true")
+    text = plan_report(cfg, parse_bytes("80GB"))
+    assert "(1024 ranks)" in text and "checked on a fake 1024-rank process group" in text and "\nfits" in text
+
+
+def test_fake_parallel_shards_match_the_plan():
+    cfg = cfg_of("tiny_llama", "parallel.mesh=dp=2,fsdp=2,tp=2", "parallel.rules=fsdp", "train.global_batch_size=32")
+    with fake_world(8, 5):
+        par = fake_parallel(cfg, 5)
+        assert par.coords["tp"] == 1 and par.coords["fsdp"] == 0 and par.coords["dp"] == 1
+        from fxmega.sharding.fake import check_placements
+
+        assert check_placements(par) == 3 * len(par.layouts)
+
+
+# Traced collectives, each compiled graph once, against the estimate (one micro batch)
+@pytest.mark.parametrize("name,sets", [
+    ("tiny_gpt", ["parallel.mesh=dp=2,tp=2"]),
+    ("tiny_gpt", ["parallel.mesh=dp=2,tp=2", "parallel.sequence_parallel=true"]),
+    ("tiny_llama", ["parallel.mesh=tp=2", "parallel.sequence_parallel=true", "compute.recompute=selective"]),
+    ("tiny_gpt", ["parallel.mesh=dp=2,tp=2", "parallel.zero=3"]),
+    ("tiny_gpt", ["parallel.mesh=dp=4", "parallel.zero=1"]),
+])
+def test_estimated_collectives_equal_the_traced_step(name, sets):
+    cfg = cfg_of(name, *sets, "train.global_batch_size=32")
+    mesh = MeshSpec.parse(cfg.parallel.mesh)
+    cfg = override(cfg, [f"train.global_batch_size={cfg.train.micro_batch_size * mesh.data_size}"])
+    with fake_world(mesh.world_size, 0):
+        trace = trace_rank_step(cfg, fake_parallel(cfg, 0))
+    names = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+    traced = {axis: {names.get(op, op): n for op, (n, _) in ops.items()} for axis, ops in trace.by_axis().items()}
+    predicted = {axis: t.ops for axis, t in estimate_plan(cfg, plan_of(cfg)).traffic.items()}
+    assert traced == predicted
+
+
+def test_activation_census_matches_autograd():
+    """The per-block tensors ``estimate.saved_tensors`` lists are the ones eager autograd
+    keeps: count them with saved-tensor hooks on one block, at tp-local weight shapes."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from fxmega import tree
+    from fxmega.init import init_params
+    from fxmega.models import gpt, llama
+
+    def narrow(path: str, t: torch.Tensor, tp: int) -> torch.Tensor:
+        dims = {"wqkv": -2, "bqkv": -2, "wq": 1, "wk": 1, "wv": 1, "wo": 0, "w_in": 1, "b_in": 0, "w_gate": 1,
+                "w_up": 1, "w_out": 0, "w_down": 0}
+        d = dims.get(path.split(".")[-1])
+        return t if d is None else t.narrow(d, 0, t.shape[d] // tp)
+
+    for model, mcfg in [(gpt, gpt.Config(vocab_size=256, max_seq_len=128, d_model=128, n_layers=1, n_heads=4)),
+                        (llama, llama.Config(vocab_size=256, max_seq_len=128, d_model=128, n_layers=1, n_heads=4,
+                                             n_kv_heads=2, d_ff=320))]:
+        for dtype in (torch.float32, torch.bfloat16):
+            for tp in (1, 2):
+                p = init_params(model.param_specs(mcfg), 0)["blocks"][0]
+                p = tree.map_with_path(lambda path, t: narrow(path, t.to(dtype), tp).contiguous().requires_grad_(),
+                                       p)
+                x = torch.randn(2, 128, mcfg.d_model, dtype=dtype, requires_grad=True)
+                own = {StorageWeakRef(t.untyped_storage()) for t in tree.leaves(p)}
+                seen: dict = {}
+
+                def pack(t, own=own, seen=seen):
+                    ref = StorageWeakRef(t.untyped_storage())
+                    if ref not in own and t.shape[0] != 128:  # not a weight, not a rotary table [seq, 1, dim]
+                        seen[ref] = t.untyped_storage().nbytes()
+                    return t
+
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    model.block(p, x, mcfg)
+                family = "llama" if model is llama else "gpt"
+                kv = mcfg.kv_heads if family == "llama" else mcfg.n_heads
+                ff = mcfg.d_ff if family == "llama" else mcfg.ffn_dim
+                shape = estimate.BlockShape(family, 256, mcfg.d_model, 4 // tp, kv // tp, mcfg.head_dim, ff // tp, 1)
+                act = torch.finfo(dtype).bits // 8
+                stats = estimate.FP32 - act  # LayerNorm statistics: fp32 on GPUs, the input dtype on this CPU
+                n_stats = 4 if family == "gpt" else 0  # RMSNorm computes its statistics in fp32 itself
+                expected = estimate.block_bytes(shape, act, "none", compiled=False) - n_stats * 256 * stats
+                assert sum(seen.values()) == expected, (family, dtype, tp)
+
+
+def test_memory_estimate_orders_and_pipeline_in_flight():
+    base = cfg_of("llama2_7b", "parallel.mesh=dp=4,tp=2,pp=2", "compute.precision=bf16")
+    by_mode = {m: estimate_plan(override(base, [f"compute.recompute={m}"]), plan_of(base)).memory[0]
+               for m in ("none", "selective", "full")}
+    assert by_mode["none"].activations > by_mode["selective"].activations > by_mode["full"].activations
+    m = by_mode["none"]
+    assert m.in_flight == 2  # 1F1B keeps pp - rank micro batches on pp rank 0
+    gpipe = override(base, ["parallel.pipeline_schedule=gpipe"])
+    assert estimate_plan(gpipe, plan_of(gpipe)).memory[0].in_flight == base.grad_accum_steps(4)
+    sp = override(base, ["parallel.sequence_parallel=true"])
+    assert estimate_plan(sp, plan_of(sp)).memory[0].activations < m.activations
+
+
+def test_auto_planner_only_proposes_layouts_that_fit_and_divide():
+    cfg = cfg_of("gpt2_124m", "compute.precision=bf16", "train.global_batch_size=64", "train.micro_batch_size=4")
+    budget = parse_bytes("4GB")
+    found = auto.search(cfg, 16, auto.parse_profile("h100"), budget)
+    ok = [c for c in found if not c.reason]
+    assert ok and len(ok) < len(found)
+    for c in ok:
+        assert c.dp * c.tp * c.pp == 16 and c.memory <= budget and c.step_s > 0
+        run_cfg = override(cfg, c.assignments())
+        plan = plan_of(run_cfg)  # the planner accepts it
+        run_cfg.validate(plan.mesh.data_size)
+        assert estimate_plan(run_cfg, plan).peak == c.memory
+    assert [c.step_s for c in ok] == sorted(c.step_s for c in ok)
+    reasons = " ".join(c.reason for c in found if c.reason)
+    assert "tp=16 would span nodes" in reasons and "GB per device, over 4.0 GB" in reasons
+    assert "no candidate fits" in auto.report(cfg, 16, auto.parse_profile("h100"), parse_bytes("10MB"))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--mesh", "auto"], "--mesh auto needs --devices N"),
+    (["--mesh", "auto", "--devices", "0"], "--devices 0"),
+    (["--mesh", "auto", "--devices", "8", "--device-profile", "tpu"], "unknown device 'tpu'"),
+    (["--mesh", "auto", "--devices", "8", "--device-profile", "h100,inter=fast"], "inter='fast' is not a number"),
+    (["--mesh", "2x2", "--plan", "--memory-per-device", "lots"], "write a size like 80GB"),
+    (["--mesh", "2x2", "--global-batch-size", "16", "--plan", "--rank", "4"], "the mesh has ranks 0..3"),
+    (["--mesh", "2x2", "--show", "blocks.0.mlp.w_inn"], "blocks.0.mlp.w_in"),
+    (["--mesh", "2x3", "--plan"], "tp=3 does not divide"),
+])
+def test_clear_errors(argv, message, capsys):
+    assert main(["--config", "configs/tiny_gpt.py", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_html_and_show(tmp_path, capsys):
+    page = tmp_path / "plan.html"
+    assert main(["--config", "configs/tiny_gpt.py", "--mesh", "2x2x2", "--global-batch-size", "32", "--plan-html",
+                 str(page), "--show", "embed.tokens"]) == 0
+    out = capsys.readouterr().out
+    assert "embed.tokens" in out and "tp0" in out and page.read_text().count("<svg") > 10
