@@ -5,7 +5,6 @@ import pytest
 
 from fxmega.cli import main
 from fxmega.config import load, override
-from fxmega.errors import ConfigError
 from fxmega.models import model_for
 from fxmega.sharding import auto, estimate
 from fxmega.sharding.fake import fake_parallel, fake_world, trace_rank_step
@@ -106,8 +105,8 @@ def test_activation_census_matches_autograd():
         for dtype in (torch.float32, torch.bfloat16):
             for tp in (1, 2):
                 p = init_params(model.param_specs(mcfg), 0)["blocks"][0]
-                p = tree.map_with_path(lambda path, t: narrow(path, t.to(dtype), tp).contiguous().requires_grad_(),
-                                       p)
+                p = tree.map_with_path(
+                    lambda path, t, dtype=dtype, tp=tp: narrow(path, t.to(dtype), tp).contiguous().requires_grad_(), p)
                 x = torch.randn(2, 128, mcfg.d_model, dtype=dtype, requires_grad=True)
                 own = {StorageWeakRef(t.untyped_storage()) for t in tree.leaves(p)}
                 seen: dict = {}
