@@ -128,6 +128,9 @@ def candidates(cfg: Any, devices: int, profile: DeviceProfile) -> list[Candidate
     return out
 
 
+_PLANS: dict = {}  # (parallel config, base config) -> plan, within one search
+
+
 def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int) -> Candidate:
     """Fill in ``c``'s memory and step time, or its rejection reason."""
     from fxmega.models import model_for
@@ -139,8 +142,11 @@ def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int) -> Can
         return c
     try:
         run_cfg = override(cfg, c.assignments())
-        model = model_for(run_cfg.model)
-        plan = plan_from(model.param_specs(run_cfg.model), run_cfg.parallel, model)
+        key = (run_cfg.parallel, id(cfg))  # the plan does not depend on the recompute mode
+        if key not in _PLANS:
+            model = model_for(run_cfg.model)
+            _PLANS[key] = plan_from(model.param_specs(run_cfg.model), run_cfg.parallel, model)
+        plan = _PLANS[key]
         run_cfg.validate(plan.mesh.data_size)
         if plan.pipeline is not None:
             from fxmega.sharding.pipeline import check_microbatches
@@ -189,7 +195,9 @@ def search(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = 
     if devices < 1:
         raise ConfigError(f"--devices {devices}: give the number of devices to plan for, e.g. --devices 64")
     budget = budget or profile.memory
+    _PLANS.clear()
     done = [evaluate(cfg, c, profile, budget) for c in candidates(cfg, devices, profile)]
+    _PLANS.clear()
     ok = sorted((c for c in done if not c.reason), key=lambda c: (c.step_s, c.memory))
     return ok + [c for c in done if c.reason]
 

@@ -84,12 +84,15 @@ class ShardingPlan:
     pipeline: PipelineLayout | None = None
     embed_groups: tuple[str, ...] = ()  # the model's EMBED_PARAMS / HEAD_PARAMS (for stage ownership)
     head_groups: tuple[str, ...] = ()
+    _owners: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     def pp_owners(self, path: str) -> list[int]:
         """The pp ranks that hold parameter ``path`` (all of them: [0] without pp)."""
         if self.pipeline is None:
             return [0]
-        return self.pipeline.owners(path, self.embed_groups, self.head_groups)
+        if path not in self._owners:  # asked per parameter per pp rank by the estimates: remember
+            self._owners[path] = self.pipeline.owners(path, self.embed_groups, self.head_groups)
+        return self._owners[path]
 
     @property
     def tp(self) -> int:
