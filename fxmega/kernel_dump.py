@@ -30,7 +30,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from fxmega.sharding.inspect import _GRAPH_HOOKS, Collective, collectives_in
 
@@ -254,8 +253,8 @@ def write_indexes(directory: Path, rank: int, dumps: list[GraphDump], labels: di
                       f"{c['axis']} |" for i, c in enumerate(g["collectives"])]
             lines.append("")
     (out / "index.md").write_text("\n".join(lines))
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    ranks = sorted(set(range(world)) | {int(p.name[4:]) for p in directory.glob("rank*") if p.name[4:].isdigit()})
+    # the ranks dumped so far (each rank rewrites the list; the last one to finish lists all)
+    ranks = sorted({rank} | {int(p.name[4:]) for p in directory.glob("rank*") if p.name[4:].isdigit()})
     top = ["# Kernel dumps", ""] + [f"- [rank {r}](rank{r}/index.md)" for r in ranks]
     tmp = directory / f".index.md.{rank}"
     tmp.write_text("\n".join(top) + "\n")
