@@ -77,8 +77,9 @@ def main() -> None:
         found = [c for c in auto.search(cfg, gpus, profile) if not c.reason]
         best = found[0] if found else None
         choice = best.describe() if best else "none fits"
-        print(f"| {size} | {count_params(specs) / 1e9:.1f}B | {tp}/{pp}/{dp} | {theirs / 1e9:.1f} GB{note} | {mfu:.0%} | "
-              f"{choice} | {best.memory / 1e9 if best else 0:.1f} GB | {best.mfu if best else 0:.0%} |", flush=True)
+        print(f"| {size} | {count_params(specs) / 1e9:.1f}B | {tp}/{pp}/{dp} | {theirs / 1e9:.1f} GB{note} | "
+              f"{mfu:.0%} | {choice} | {best.memory / 1e9 if best else 0:.1f} GB | {best.mfu if best else 0:.0%} |",
+              flush=True)
 
 
 if __name__ == "__main__":

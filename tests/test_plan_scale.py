@@ -24,8 +24,8 @@ def plan_of(cfg):
 
 
 def test_64_rank_plan_in_one_process():
-    cfg = cfg_of("tiny_gpt", "parallel.mesh=8x4x2", "train.global_batch_size=64")
-    text = plan_report(cfg, parse_bytes("1GB"), rank=37)
+    cfg = cfg_of("tiny_gpt", "parallel.mesh=8x4x2", "train.global_batch_size=64", "compute.precision=bf16")
+    text = plan_report(cfg, parse_bytes("1GB"), rank=37)  # a last-stage rank: its input is bf16
     for expected in ["pp=2 x dp=8 x tp=4 (64 ranks)", "tp groups (16 of 4 ranks): [0..3]",
                      "dp groups (8 of 8 ranks): [0..28 step 4]", "stage 0 on pp rank 0", "stage 1 on pp rank 1",
                      "fits: peak", "checked on a fake 64-rank process group", "rank 37 (pp=1, dp=1, tp=1)",
@@ -157,7 +157,7 @@ def test_auto_planner_only_proposes_layouts_that_fit_and_divide():
         assert estimate_plan(run_cfg, plan).peak == c.memory
     assert [c.step_s for c in ok] == sorted(c.step_s for c in ok)
     reasons = " ".join(c.reason for c in found if c.reason)
-    assert "tp=16 would span nodes" in reasons and "GB per device, over 4.0 GB" in reasons
+    assert "tp=16 groups would span nodes" in reasons and "GB per device, over 4.0 GB" in reasons
     assert "no candidate fits" in auto.report(cfg, 16, auto.parse_profile("h100"), parse_bytes("10MB"))
 
 

@@ -137,8 +137,9 @@ def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int) -> Can
     from fxmega.sharding.report import estimate_plan
     from fxmega.sharding.strategy import plan_from
 
-    if c.tp > profile.per_node:
-        c.reason = f"tp={c.tp} would span nodes ({profile.per_node} devices per node): tp traffic needs NVLink"
+    if c.tp > profile.per_node or profile.per_node % c.tp:
+        c.reason = (f"tp={c.tp} groups would span nodes ({profile.per_node} devices per node): tp traffic needs "
+                    f"NVLink, so tp must divide {profile.per_node}")
         return c
     try:
         run_cfg = override(cfg, c.assignments())

@@ -140,10 +140,13 @@ def _trace_stages(cfg: Any, par: Any, params: tree.Tree, decay: list, hyper: Any
     n_micro = max(cfg.grad_accum_steps(par.data_size), par.plan.pipeline.pp)
     step = PipelineStep(par, cfg.model, model_for(cfg.model), params, decay, hyper, cfg.optim.clip_grad, n_micro,
                         True, torch.device("meta"), backend="aot_eager")
-    for stage in step.stages:
+    from fxmega.precision import compute_dtype
+
+    for stage in step.stages:  # a later stage reads the residual stream in the compute dtype
         first = stage.stage_index == 0
         x = batch["inputs"] if first else torch.zeros(
-            (*batch["inputs"].shape, cfg.model.d_model), device="meta", requires_grad=True)
+            (*batch["inputs"].shape, cfg.model.d_model), dtype=compute_dtype(cfg.compute.precision), device="meta",
+            requires_grad=True)
         out = stage.submod(x)
         ps = [p for p in stage.submod.parameters()]
         torch.autograd.grad(out.float().sum(), ps + ([] if first else [x]), allow_unused=True)
