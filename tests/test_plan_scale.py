@@ -70,6 +70,9 @@ def test_fake_parallel_shards_match_the_plan():
     ("tiny_llama", ["parallel.mesh=tp=2", "parallel.sequence_parallel=true", "compute.recompute=selective"]),
     ("tiny_gpt", ["parallel.mesh=dp=2,tp=2", "parallel.zero=3"]),
     ("tiny_gpt", ["parallel.mesh=dp=4", "parallel.zero=1"]),
+    ("tiny_llama", ["parallel.mesh=dp=2,fsdp=2,tp=2", "parallel.rules=fsdp"]),  # HSDP x TP
+    ("tiny_gpt", ["parallel.mesh=fsdp=4", "parallel.rules=fsdp"]),
+    ("tiny_bert", ["parallel.mesh=dp=2", "parallel.zero=3"]),  # BERT: one piece
 ])
 def test_estimated_collectives_equal_the_traced_step(name, sets):
     cfg = cfg_of(name, *sets, "train.global_batch_size=32")

@@ -257,6 +257,8 @@ def memory(plan: ShardingPlan, model_cfg: Any, family: str, work: Workload) -> l
         blocks = sorted({int(p.path.split(".")[1]) for p in mine if p.path.startswith("blocks.")})
         gathers = any(p.data_axes["param"] for p in mine)
         block_params = _block_param_numel(plan, blocks[0] if blocks else 0)
+        if family == "bert":  # one piece: the whole model is gathered at once
+            block_params = sum(_full(p) for p in mine)
         if work.precision == "fp32":
             copy = block_params * FP32 if gathers else 0  # ZeRO-3: one gathered block
         else:
@@ -316,12 +318,12 @@ def communication(plan: ShardingPlan, model_cfg: Any, family: str, work: Workloa
         _tp_traffic(plan, work, shape, blocks, pp_rank, traffic.setdefault("tp", AxisTraffic()))
     data_axes = tuple(a for a in DATA_AXES if mesh.size(a) > 1)
     if data_axes:
-        data = traffic.setdefault("+".join(data_axes), AxisTraffic())
-        _data_traffic(plan, mine, work, bucket_numel, data)
-        data.add("all_reduce", 1, FP32, mesh.data_size)  # the step's loss, summed over data ranks
+        _data_traffic(plan, mine, work, bucket_numel, traffic, None if family == "bert" else model_groups(model_cfg))
+        # the step's loss, summed over the data ranks
+        traffic.setdefault("+".join(data_axes), AxisTraffic()).add("all_reduce", 1, FP32, mesh.data_size)
     if mesh.world_size > 1:  # the global gradient norm (on the one axis's group when only one is split)
-        split = [a for a in mesh.names if mesh.size(a) > 1]
-        world = "world" if len(split) > 1 else ("+".join(data_axes) if split[0] in DATA_AXES else split[0])
+        split = tuple(a for a in mesh.names if mesh.size(a) > 1)
+        world = "+".join(split) if split == data_axes or len(split) == 1 else "world"
         traffic.setdefault(world, AxisTraffic()).add("all_reduce", 1, FP32, mesh.world_size)
     pipe = plan.pipeline
     if pipe is not None:
@@ -381,48 +383,80 @@ def _tp_traffic(plan: ShardingPlan, work: Workload, shape: BlockShape, blocks: l
         out.add("all_reduce", n, FP32, tp)
 
 
-def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: int, out: AxisTraffic) -> None:
+def model_groups(model_cfg: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The model's embedding and head parameter groups (ZeRO-3 gathers each as one piece)."""
+    from fxmega.models import model_for
+
+    model = model_for(model_cfg)
+    return tuple(getattr(model, "EMBED_PARAMS", ())), tuple(getattr(model, "HEAD_PARAMS", ()))
+
+
+def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: int,
+                  traffic: dict[str, AxisTraffic], groups: tuple[tuple[str, ...], tuple[str, ...]] | None) -> None:
+    """The data axes' collectives, as ``Parallel`` schedules them: each op over the axes it
+    spans (HSDP: gathers over fsdp, replica all-reduce over dp), bucketed the same way."""
+    mesh, n = plan.mesh, work.n_micro
     reduce = FP32 if work.grad_reduce == "fp32" else 2
-    world = plan.mesh.data_size
-    sharded = [p for p in mine if p.data_axes["opt"]]
-    replicated = [p for p in mine if not p.data_axes["opt"]]
+
+    def extra(p: Any, kind: str, base: str) -> tuple[str, ...]:
+        return tuple(a for a in p.data_axes[kind] if a not in p.data_axes[base])
+
+    def add(op: str, axes: tuple[str, ...], count: int, buffer_bytes: float) -> None:
+        world = math.prod(mesh.size(a) for a in axes)
+        traffic.setdefault("+".join(axes), AxisTraffic()).add(op, count, buffer_bytes, world)
+
+    def scheduled(op: str, axes_of: Any, numel_of: Any, count: int, itemsize: int) -> None:
+        groups: dict[tuple[str, ...], list] = {}
+        for p in mine:
+            if axes_of(p):
+                groups.setdefault(axes_of(p), []).append(p)
+        for axes, ps in sorted(groups.items()):
+            for bucket in collectives.buckets([p.local_numel("grad") for p in ps], bucket_numel):
+                add(op, axes, count, sum(numel_of(ps[i]) for i in bucket) * itemsize)
+
     gathered = [p for p in mine if p.data_axes["param"]]
-    n = work.n_micro
-
-    def full_numel(ps: list) -> list[int]:  # tp-local, unsharded over the data axes
-        return [p.local_numel("param") * p.data_split("param") for p in ps]
-
-    if gathered:  # ZeRO-3 / FSDP: per micro batch, per piece: gather, re-gather, reduce-scatter
-        pieces = _pieces(gathered)
+    if gathered:  # ZeRO-3 / FSDP: per micro batch and piece, gathered, gathered again in the backward
+        axes = gathered[0].data_axes["param"]  # (but the last piece, still there), gradients reduce-scattered
+        # BERT runs as one piece (gathered twice); a piece-wise model's head is not gathered again
+        pieces = _pieces(gathered, groups) if groups is not None else [sum(_full(p) for p in gathered)]
         copy = DTYPE_BYTES[work.precision]
-        for numel in pieces:
-            out.add("reduce_scatter", n, numel * reduce, world)
-        for numel in pieces[:-1]:  # gathered again in the backward, but for the last piece (still there)
-            out.add("all_gather", 2 * n, numel * copy, world)
-        out.add("all_gather", n, pieces[-1] * copy, world)
-    grads_sharded_per_micro = [p for p in sharded if p.data_axes["grad"] and not p.data_axes["param"]]
-    if grads_sharded_per_micro:  # ZeRO-2
-        for bucket in collectives.buckets(full_numel(grads_sharded_per_micro), bucket_numel):
-            numel = sum(full_numel(grads_sharded_per_micro)[i] for i in bucket)
-            out.add("reduce_scatter", n, numel * reduce, world)
-    step_scatter = [p for p in sharded if not p.data_axes["grad"]]
-    if step_scatter:  # ZeRO-1: once per step
-        for bucket in collectives.buckets(full_numel(step_scatter), bucket_numel):
-            out.add("reduce_scatter", 1, sum(full_numel(step_scatter)[i] for i in bucket) * reduce, world)
-    refresh = [p for p in sharded if not p.data_axes["param"]]
-    if refresh:  # ZeRO-1/2: the updated shards gathered back into every replica
-        for bucket in collectives.buckets(full_numel(refresh), bucket_numel):
-            out.add("all_gather", 1, sum(full_numel(refresh)[i] for i in bucket) * FP32, world)
-    if replicated:  # plain data parallelism
-        for bucket in collectives.buckets(full_numel(replicated), bucket_numel):
-            out.add("all_reduce", 1, sum(full_numel(replicated)[i] for i in bucket) * reduce, world)
+        for i, numel in enumerate(pieces):
+            last = i == len(pieces) - 1 and groups is not None
+            add("all_gather", axes, n * (1 if last else 2), numel * copy)
+            add("reduce_scatter", axes, n, numel * reduce)
+    # ZeRO-2: the gradient's extra data axes, reduce-scattered per micro batch
+    scheduled("reduce_scatter", lambda p: extra(p, "grad", "param"), lambda p: p.local_numel("param"), n, reduce)
+    # ZeRO-1: onto the optimizer's shards, once per step
+    scheduled("reduce_scatter", lambda p: extra(p, "opt", "grad"), lambda p: p.local_numel("grad"), 1, reduce)
+    # replicas (plain data parallelism, HSDP's dp): all-reduced once per step
+    scheduled("all_reduce", lambda p: tuple(a for a in DATA_AXES if mesh.size(a) > 1 and a not in p.data_axes["opt"]),
+              lambda p: p.local_numel("opt"), 1, reduce)
+    # ZeRO-1/2: the updated shards gathered back into every replica
+    scheduled("all_gather", lambda p: extra(p, "opt", "param"), lambda p: p.local_numel("param"), 1, FP32)
 
 
-def _pieces(params: list) -> list[int]:
-    """Gathered elements per model piece (embedding, each block, head): ZeRO-3's buckets."""
-    pieces: dict[str, int] = {}
+def _full(p: Any) -> int:
+    """Elements of a parameter on this rank once gathered over the data axes."""
+    return p.local_numel("param") * p.data_split("param")
+
+
+def _pieces(params: list, groups: tuple[tuple[str, ...], tuple[str, ...]]) -> list[int]:
+    """Gathered elements per model piece, in order: the embedding group, each block, the head
+    group (a tied embedding is gathered again with the head): ZeRO-3's buckets."""
+    full = _full
+
+    embed_groups, head_groups = groups
+    blocks: dict[str, int] = {}
     for p in params:
-        parts = p.path.split(".")
-        key = ".".join(parts[:2]) if parts[0] == "blocks" else parts[0]
-        pieces[key] = pieces.get(key, 0) + p.local_numel("param") * p.data_split("param")
-    return list(pieces.values())
+        if p.path.startswith("blocks."):
+            key = ".".join(p.path.split(".")[:2])
+            blocks[key] = blocks.get(key, 0) + full(p)
+    embed = sum(full(p) for p in params if p.path.split(".")[0] in embed_groups)
+    head = sum(full(p) for p in params if p.path.split(".")[0] in head_groups)
+    if not embed_groups and not head_groups:  # a model without the groups: its top-level names
+        rest: dict[str, int] = {}
+        for p in params:
+            if not p.path.startswith("blocks."):
+                rest[p.path.split(".")[0]] = rest.get(p.path.split(".")[0], 0) + full(p)
+        return list(rest.values()) + list(blocks.values())
+    return [n for n in (embed, *blocks.values(), head) if n]

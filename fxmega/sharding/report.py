@@ -206,6 +206,14 @@ def _on_fake_mesh(cfg: Any, plan: ShardingPlan, rank: int | None, dump_dir: str 
     coords = ", ".join(f"{a}={c}" for a, c in plan.mesh.coords(rank).items() if a in plan.mesh.names)
     lines.append(f"rank {rank} ({coords}): step traced on meta tensors in {trace.seconds:.1f} s, "
                  f"{len(trace.graphs)} graph(s); collectives:")
+    pipe = plan.pipeline
+    if pipe is not None and not trace.graphs:
+        from fxmega.sharding.pipeline import SPLIT_BACKWARD
+
+        if pipe.schedule in SPLIT_BACKWARD:
+            lines.append(f"  none traced: the {pipe.schedule} schedule runs its stages eagerly (it splits each "
+                         f"backward by walking the stage's autograd graph, which compiling would hide)")
+            return lines
     rows = [("axis", "op", "count", "bytes (inputs)")]
     for axis, ops in sorted(trace.by_axis().items()):
         for op, (count, size) in sorted(ops.items()):

@@ -74,6 +74,8 @@ class Parallel:
             [("all_reduce", tuple(a for a in self.data_axes if a not in lay.data_axes["opt"])) for lay in self.layouts])
         self._refresh_schedule = self._schedule([("all_gather", extra(lay, "opt", "param")) for lay in self.layouts])
         self._opt_slices = [self._opt_slice(lay) for lay in self.layouts]
+        if self.data_axes:  # made here, not first inside a compiled step (flattening a mesh does not trace)
+            self.group(self.data_axes)
 
     # -- groups -----------------------------------------------------------------------
     @property
