@@ -86,16 +86,39 @@ def step_peak(sets: list[str]) -> dict:
             "activations": pred.activations, "transient": pred.transient}
 
 
-if __name__ == "__main__":  # python -m tests.estimate_workers WORLD SETS...: step_peak per rank, as JSON
+if __name__ == "__main__":  # python -m tests.estimate_workers [--pipeline] WORLD SETS...: per rank, as JSON
     import json
     import os
     import sys
 
     from tests.multirank import run_ranks
 
-    world = int(sys.argv[1])
-    result = [step_peak(sys.argv[2:])] if world == 1 else run_ranks(world, "tests.estimate_workers:step_peak",
-                                                                    sys.argv[2:])
+    args = sys.argv[1:]
+    worker = "pipeline_step_peak" if args[0] == "--pipeline" else "step_peak"
+    args = args[1:] if args[0] == "--pipeline" else args
+    world = int(args[0])
+    result = [step_peak(args[1:])] if world == 1 else run_ranks(world, f"tests.estimate_workers:{worker}", args[1:])
     print(json.dumps(result))
     sys.stdout.flush()
     os._exit(0)
+
+
+def pipeline_step_peak(sets: list[str]) -> dict:
+    """The peak a whole pipelined step (compiled stages, torch.distributed.pipelining's
+    schedule, the update) adds above the resident set before it, and the prediction."""
+    from fxmega.memory import current_bytes, peak_bytes, reset_peak
+    from fxmega.train import Run
+
+    torch.set_num_threads(1)
+    cfg = config(["train.compile=true", *sets])
+    par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
+    run = Run(cfg, par, device)
+    run.do_step()
+    run.do_step()
+    reset_peak(device)
+    before = current_bytes(device)
+    run.do_step()
+    measured = peak_bytes(device) - before
+    pred = predicted(cfg, par.coords["pp"])
+    return {"measured": measured, "predicted": pred.activations + pred.transient + pred.compute_copy,
+            "activations": pred.activations, "transient": pred.transient, "in_flight": pred.in_flight}
