@@ -280,7 +280,7 @@ def _auto(args: argparse.Namespace) -> int:
     cfg = config_from_args(args).validate(None)
     profile = auto.parse_profile(args.device_profile)
     budget = parse_bytes(args.memory_per_device) if args.memory_per_device else None
-    print(auto.report(cfg, args.devices, profile, budget), flush=True)
+    print(auto.report(cfg, args.devices, profile, budget, config_path=args.config), flush=True)
     return 0
 
 

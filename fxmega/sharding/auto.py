@@ -203,7 +203,8 @@ def search(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = 
     return ok + [c for c in done if c.reason]
 
 
-def report(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = None, top: int = 10) -> str:
+def report(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = None, top: int = 10,
+           config_path: str = "...") -> str:
     budget = budget or profile.memory
     found = search(cfg, devices, profile, budget)
     ok = [c for c in found if not c.reason]
@@ -224,7 +225,8 @@ def report(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = 
                                       "micro batch / sequence"]
     if ok:
         best = ok[0]
-        lines.append("best: run.py --config ... " + " ".join(f"--set {a}" for a in best.assignments()))
+        sets = " ".join(f"--set {a}" for a in best.assignments())
+        lines.append(f"best: python run.py --config {config_path} [your other flags] {sets}")
     lines.append("rejected (by layout; a layout is shown once with the reason of its best setting):")
     seen: dict[str, Candidate] = {}
     for c in found:
