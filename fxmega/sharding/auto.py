@@ -128,11 +128,9 @@ def candidates(cfg: Any, devices: int, profile: DeviceProfile) -> list[Candidate
     return out
 
 
-_PLANS: dict = {}  # (parallel config, base config) -> plan, within one search
-
-
-def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int) -> Candidate:
-    """Fill in ``c``'s memory and step time, or its rejection reason."""
+def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int, plans: dict | None = None) -> Candidate:
+    """Fill in ``c``'s memory and step time, or its rejection reason; ``plans`` (layout ->
+    plan, shared by the candidates of one search of ``cfg``) saves re-planning a layout."""
     from fxmega.models import model_for
     from fxmega.sharding.report import estimate_plan
     from fxmega.sharding.strategy import plan_from
@@ -143,11 +141,12 @@ def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int) -> Can
         return c
     try:
         run_cfg = override(cfg, c.assignments())
-        key = (run_cfg.parallel, id(cfg))  # the plan does not depend on the recompute mode
-        if key not in _PLANS:
+        plans = {} if plans is None else plans
+        key = (c.mesh, c.zero, c.schedule, c.virtual)  # not the recompute mode: the plan does not depend on it
+        if key not in plans:
             model = model_for(run_cfg.model)
-            _PLANS[key] = plan_from(model.param_specs(run_cfg.model), run_cfg.parallel, model)
-        plan = _PLANS[key]
+            plans[key] = plan_from(model.param_specs(run_cfg.model), run_cfg.parallel, model)
+        plan = plans[key]
         run_cfg.validate(plan.mesh.data_size)
         if plan.pipeline is not None:
             from fxmega.sharding.pipeline import check_microbatches
@@ -196,9 +195,8 @@ def search(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = 
     if devices < 1:
         raise ConfigError(f"--devices {devices}: give the number of devices to plan for, e.g. --devices 64")
     budget = budget or profile.memory
-    _PLANS.clear()
-    done = [evaluate(cfg, c, profile, budget) for c in candidates(cfg, devices, profile)]
-    _PLANS.clear()
+    plans: dict = {}
+    done = [evaluate(cfg, c, profile, budget, plans) for c in candidates(cfg, devices, profile)]
     ok = sorted((c for c in done if not c.reason), key=lambda c: (c.step_s, c.memory))
     return ok + [c for c in done if c.reason]
 
@@ -219,9 +217,9 @@ def report(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = 
         rows.append((str(i), c.describe(), f"{c.memory / 1e9:.1f} GB", f"{c.step_s:.3f}", f"{c.mfu:.0%}",
                      f"{p['compute']:.3f}", f"{p['tp']:.3f}", f"{p['data']:.3f} ({p['data exposed']:.3f})",
                      f"{p['bubble']:.0%}"))
-    from fxmega.sharding.report import _table
+    from fxmega.sharding.report import text_table
 
-    lines += _table(rows) if ok else ["  no candidate fits: more devices, more memory per device, or a smaller "
+    lines += text_table(rows) if ok else ["  no candidate fits: more devices, more memory per device, or a smaller "
                                       "micro batch / sequence"]
     if ok:
         best = ok[0]

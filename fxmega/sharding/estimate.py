@@ -1,12 +1,13 @@
 """What a step costs each rank, from the plan alone: memory by kind and communication by
 mesh axis. Pure arithmetic over the plan and the run config (no process group, no tensors),
-so it prices a 1,024-rank mesh in milliseconds; ``fxmega.sharding.auto`` ranks thousands of
+so it prices a 1,024-rank mesh in milliseconds; ``fxmega.sharding.auto`` ranks hundreds of
 candidate meshes with it.
 
 Memory on a rank (pp rank ``r``):
   parameters   fp32 masters, this rank's shards (exact: the plan's local shapes)
-  gradients    fp32, in the gradient layout (ZeRO-2/3: sharded over dp). Kept between
-               micro batches as accumulation buffers; exact.
+  gradients    fp32, in the gradient layout (ZeRO-2/3: sharded over dp): the accumulation
+               buffers kept between micro batches (exact); with one micro batch the same
+               bytes, counted for the gradients the backward produces.
   optimizer    AdamW's two moments, fp32, in the optimizer layout (ZeRO-1+); exact.
   compute copy bf16/fp16 casts of the weights, read by the forward and kept for the backward
                (ZeRO-3: one gathered block at a time).
@@ -15,9 +16,10 @@ Memory on a rank (pp rank ``r``):
   transient    the largest short-lived set: the loss's backward over the logits, or one
                block's backward (recomputed activations and the gradients flowing through).
 
-Per-block activations count the tensors fxmega's own blocks save (``_gpt_block`` and
-``_llama_block`` name each one); tests/test_estimate.py checks them against the tensors
-autograd really saves, and the totals against the measured peak of compiled CPU steps.
+Per-block activations count the tensors fxmega's own blocks save (``saved_tensors`` names
+each one); tests/test_plan_scale.py checks them against the tensors autograd really saves,
+tests/test_estimate.py and tests/test_recompute.py the totals against the measured peak of
+compiled CPU steps.
 
 Micro batches in flight on pp rank r (n micro batches per step): no pipeline 1; GPipe n;
 1F1B min(pp - r, n); interleaved-1F1B min(2(pp - r - 1) + (v - 1) pp + 1, n v) stage chunks
@@ -288,7 +290,7 @@ def memory(plan: ShardingPlan, model_cfg: Any, family: str, work: Workload) -> l
         out.append(MemoryEstimate(r, state["param"], state["grad"], state["opt"], copy,
                                   int(saved * flight + head_saved * (flight if plan.pipeline else 1)),
                                   int(max(head_transient, block_transient)), len(blocks), flight,
-                                  per_block[work.recompute if work.recompute else "none"]))
+                                  per_block[work.recompute]))
     return out
 
 

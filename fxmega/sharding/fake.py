@@ -73,7 +73,7 @@ def check_placements(par: Any) -> int:
     """Wrap every local shard as a DTensor over the whole (fake) mesh and check that its
     global shape and local shape are the plan's; returns how many were checked."""
     n = 0
-    for path, _ in tree.items(meta_params(par)):
+    for path, _ in tree.items(par.specs):
         lay = par.plan.params[path]
         for kind in ("param", "grad", "opt"):
             dt = par.as_dtensor(torch.empty(lay.local_shape(kind), device="meta"), lay, kind)

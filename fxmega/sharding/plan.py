@@ -226,7 +226,7 @@ def _layout(path: str, spec: ParamSpec, rules: dict, zero: int, mesh: MeshSpec, 
     return ParamLayout(path, shape, spec.axes, tp_dim, zero_dim, data_axes, tp, data_sizes)
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -251,7 +251,7 @@ def explain(plan: ShardingPlan) -> str:
         if plan.pipeline is not None:
             pl += " @ pp " + ",".join(map(str, plan.pp_owners(p.path)))
         rows.append((p.path, str(list(p.shape)), "(" + ", ".join(p.axes) + ")", pl, str(list(p.local_shape())),
-                     _fmt_bytes(p.local_numel() * BYTES_PER_ELEMENT)))
+                     format_bytes(p.local_numel() * BYTES_PER_ELEMENT)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for i, r in enumerate(rows):
         lines.append("  ".join(c.ljust(w) if j < 5 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))
@@ -262,8 +262,8 @@ def explain(plan: ShardingPlan) -> str:
     for r in range(mesh.size("pp")):
         b = plan.bytes_per_rank(r)
         who = f"pp rank {r}" if plan.pipeline is not None else "per rank"
-        lines.append(f"{who}: parameters {_fmt_bytes(b['param'])}, gradients {_fmt_bytes(b['grad'])}, "
-                     f"AdamW state {_fmt_bytes(b['opt'])}, total {_fmt_bytes(sum(b.values()))} (fp32)")
+        lines.append(f"{who}: parameters {format_bytes(b['param'])}, gradients {format_bytes(b['grad'])}, "
+                     f"AdamW state {format_bytes(b['opt'])}, total {format_bytes(sum(b.values()))} (fp32)")
     resid = plan.activation_tp_dims(("batch", "seq", "embed"))
     lines.append("activations: batch split over the data axes (each data rank reads its own micro batches); "
                  "residual stream [batch, seq, embed] " + ("split along seq over tp (sequence parallel)" if resid == 1

@@ -15,7 +15,7 @@ from typing import Any
 from fxmega.errors import ConfigError
 from fxmega.sharding import estimate
 from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
-from fxmega.sharding.plan import ShardingPlan, _fmt_bytes
+from fxmega.sharding.plan import ShardingPlan, format_bytes
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -98,20 +98,20 @@ def memory_table(est: PlanEstimate, budget: int | None) -> list[str]:
              f"{w.precision}, recompute {w.recompute}; fp32 masters and AdamW state)"]
     rows = [("pp rank", "blocks", "params", "grads", "AdamW", "compute copy", "activations", "transient", "total")]
     for m in est.memory:
-        rows.append((str(m.pp_rank), str(m.blocks), *map(_fmt_bytes, (m.params, m.grads, m.opt, m.compute_copy)),
-                     f"{_fmt_bytes(m.activations)} ({m.in_flight:g} mb)", _fmt_bytes(m.transient),
-                     _fmt_bytes(m.total)))
-    lines += _table(rows)
+        rows.append((str(m.pp_rank), str(m.blocks), *map(format_bytes, (m.params, m.grads, m.opt, m.compute_copy)),
+                     f"{format_bytes(m.activations)} ({m.in_flight:g} mb)", format_bytes(m.transient),
+                     format_bytes(m.total)))
+    lines += text_table(rows)
     worst = max(est.memory, key=lambda m: m.total)
     if budget is None:
-        lines.append(f"peak {_fmt_bytes(worst.total)} on pp rank {worst.pp_rank} (give --memory-per-device for a "
+        lines.append(f"peak {format_bytes(worst.total)} on pp rank {worst.pp_rank} (give --memory-per-device for a "
                      f"verdict)")
     elif worst.total <= budget:
-        lines.append(f"fits: peak {_fmt_bytes(worst.total)} on pp rank {worst.pp_rank} is "
-                     f"{100 * worst.total / budget:.0f}% of {_fmt_bytes(budget)} per device")
+        lines.append(f"fits: peak {format_bytes(worst.total)} on pp rank {worst.pp_rank} is "
+                     f"{100 * worst.total / budget:.0f}% of {format_bytes(budget)} per device")
     else:
-        lines.append(f"OOM: pp rank {worst.pp_rank} needs {_fmt_bytes(worst.total)} but a device has "
-                     f"{_fmt_bytes(budget)} ({_fmt_bytes(worst.total - budget)} over). " + _advice(est, worst))
+        lines.append(f"OOM: pp rank {worst.pp_rank} needs {format_bytes(worst.total)} but a device has "
+                     f"{format_bytes(budget)} ({format_bytes(worst.total - budget)} over). " + _advice(est, worst))
     return lines
 
 
@@ -125,7 +125,7 @@ def _advice(est: PlanEstimate, m: estimate.MemoryEstimate) -> str:
              "AdamW state": "--zero 1 (shard it over dp), or more tp/pp",
              "gradients": "--zero 2, or more tp/pp",
              "parameters": "--zero 3, or more tp/pp"}
-    return f"Largest: {big} ({_fmt_bytes(items[big])}); try {fixes[big]} — or --mesh auto to search"
+    return f"Largest: {big} ({format_bytes(items[big])}); try {fixes[big]} — or --mesh auto to search"
 
 
 def traffic_table(est: PlanEstimate) -> list[str]:
@@ -134,12 +134,13 @@ def traffic_table(est: PlanEstimate) -> list[str]:
     lines = ["communication per step, pp rank 0 (bytes each rank sends, ring algorithms):"]
     rows = [("axis", "bytes/step", "collectives", "of which")]
     for axis, t in est.traffic.items():
-        rows.append((axis, _fmt_bytes(t.bytes_sent), str(t.collectives),
+        rows.append((axis, format_bytes(t.bytes_sent), str(t.collectives),
                      ", ".join(f"{op} x{n}" for op, n in sorted(t.ops.items()))))
-    return lines + _table(rows)
+    return lines + text_table(rows)
 
 
-def _table(rows: list[tuple]) -> list[str]:
+def text_table(rows: list[tuple]) -> list[str]:
+    """Rows of strings as aligned columns, the first row a header underlined with dashes."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = []
     for i, r in enumerate(rows):
@@ -217,5 +218,5 @@ def _on_fake_mesh(cfg: Any, plan: ShardingPlan, rank: int | None, dump_dir: str 
     rows = [("axis", "op", "count", "bytes (inputs)")]
     for axis, ops in sorted(trace.by_axis().items()):
         for op, (count, size) in sorted(ops.items()):
-            rows.append((axis, op, str(count), _fmt_bytes(size)))
-    return lines + (_table(rows) if len(rows) > 1 else ["  none"])
+            rows.append((axis, op, str(count), format_bytes(size)))
+    return lines + (text_table(rows) if len(rows) > 1 else ["  none"])

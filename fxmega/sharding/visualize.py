@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from fxmega.errors import ConfigError
 from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
-from fxmega.sharding.plan import BYTES_PER_ELEMENT, ShardingPlan, _fmt_bytes
+from fxmega.sharding.plan import BYTES_PER_ELEMENT, ShardingPlan, format_bytes
 
 _PLACEMENT = re.compile(r"S\((\d+)\)|R|P")
 _ANSI = (153, 217, 186, 229, 183, 152, 223, 195, 218, 194, 189, 230, 159, 224, 157, 225)  # light backgrounds
@@ -269,7 +269,7 @@ def _param_row(plan: ShardingPlan, path: str) -> str:
     local = html.escape(str(list(p.local_shape("param"))))
     if opt and opt != pl:
         pl, local = f"{pl}<br>opt: {opt}", f"{local}<br>opt: {html.escape(str(list(p.local_shape('opt'))))}"
-    nbytes = _fmt_bytes(p.local_numel() * BYTES_PER_ELEMENT)
+    nbytes = format_bytes(p.local_numel() * BYTES_PER_ELEMENT)
     cells = [html.escape(path), html.escape(str(list(p.shape))), html.escape("(" + ", ".join(p.axes) + ")"), pl,
              local, html.escape(nbytes), _param_picture(plan, path, "param").svg()]
     return '<tr class="param">' + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"
@@ -313,8 +313,8 @@ def plan_html(plan: ShardingPlan, title: str = "fxmega sharding plan") -> str:
     for r in range(mesh.size("pp")):
         b = plan.bytes_per_rank(r)
         who = f"pp rank {r}" if plan.pipeline is not None else "per rank"
-        out.append(f"<p>{who}: parameters {e(_fmt_bytes(b['param']))}, gradients {e(_fmt_bytes(b['grad']))}, "
-                   f"AdamW state {e(_fmt_bytes(b['opt']))} (fp32)</p>")
+        out.append(f"<p>{who}: parameters {e(format_bytes(b['param']))}, gradients {e(format_bytes(b['grad']))}, "
+                   f"AdamW state {e(format_bytes(b['opt']))} (fp32)</p>")
     return "".join(out) + "</body></html>\n"
 
 
