@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test bench lint clean
+.PHONY: run test test-fast fuzz bench lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,12 @@ run: $(STAMP)  ## train the default small GPT on Shakespeare, then print a sampl
 
 test: $(STAMP)  ## the whole test suite (what CI runs)
 	$(PY) -m pytest -q -ra --durations=15 tests
+
+test-fast: $(STAMP)  ## every module's fast tests (no multi-rank or heavy compile runs), for iterating
+	$(PY) -m pytest -q -ra -m "not slow" --durations=10 tests
+
+fuzz: $(STAMP)  ## property tests with fresh random examples, twenty times as many as make test draws
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -ra tests/test_fuzz.py
 
 bench: $(STAMP)  ## benchmarks: print tables, compare against plain PyTorch
 	$(PY) bench/step.py

@@ -17,8 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from fxmega.errors import CheckpointError
+from fxmega.json_files import check_fields, read_object
 
 MANIFEST = "manifest.json"
 META = "meta.json"
@@ -56,9 +58,10 @@ class SafeReader(dcp.FileSystemReader):
         except Exception as e:  # truncated or garbled
             raise CheckpointError(f"{path} is not a readable DCP metadata file ({type(e).__name__}: {e}); the "
                                   f"checkpoint is corrupted: load an earlier one") from None
+        if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+            raise CheckpointError(f"{path} unpickles to {type(metadata).__name__}, not DCP's Metadata with a dict of "
+                                  f"tensors: the checkpoint is corrupted; load an earlier one")
         if getattr(metadata, "storage_meta", None) is None:
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -88,10 +91,7 @@ def verify(folder: Path) -> None:
     if not manifest.is_file():
         raise CheckpointError(f"{folder} has no {MANIFEST}: it is not a complete fxmega checkpoint (a save that "
                               f"did not finish, or a directory copied in part)")
-    try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"{manifest} is unreadable ({e}); the checkpoint is corrupted") from None
+    files = _manifest_files(manifest)
     for name, want in sorted(files.items()):
         path = folder / name
         if not path.is_file():
@@ -106,10 +106,30 @@ def verify(folder: Path) -> None:
                                   f"read {have['crc32']:#010x}): it is corrupted; load an earlier one")
 
 
+def _manifest_files(manifest: Path) -> dict[str, dict[str, int]]:
+    """The manifest's ``{"files": {name: {"bytes": n, "crc32": c}}}``, its shape checked."""
+    fix = "the checkpoint is corrupted; load an earlier one"
+    files = read_object(manifest, CheckpointError, fix, required={"files": dict})["files"]
+    for name, want in files.items():
+        if Path(name).name != name or name in ("", ".", ".."):  # DCP writes flat step directories
+            raise CheckpointError(f"{manifest} lists {name!r}, which is not a file name inside the checkpoint; {fix}")
+        check_fields(want, f"{manifest}: entry {name!r}", CheckpointError, fix, required={"bytes": int, "crc32": int})
+    return files
+
+
+# the fields fxmega's loaders read from meta.json, with their types (a file from an older
+# version may lack some; one that has them with another type is corrupted)
+META_FIELDS = {"step": int, "params_only": bool, "skipped_steps": int, "config": dict, "model_family": str,
+               "data": (str, type(None)), "mesh": str, "rng": (str, type(None)), "loss_scaler": (dict, type(None)),
+               "consumed_samples": int, "task": str, "labels": list}
+
+
 def read_meta(folder: Path) -> dict[str, Any]:
-    try:
-        return json.loads((folder / META).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{folder} has no {META}: it is not a complete fxmega checkpoint") from None
-    except ValueError as e:
-        raise CheckpointError(f"{folder / META} is not valid JSON ({e}); the checkpoint is corrupted") from None
+    if not (folder / META).is_file():
+        raise CheckpointError(f"{folder} has no {META}: it is not a complete fxmega checkpoint")
+    meta = read_object(folder / META, CheckpointError, "the checkpoint is corrupted; load an earlier one",
+                       required={"step": int}, optional=META_FIELDS)
+    model = meta.get("config", {}).get("model")
+    if model is not None and not isinstance(model, dict):
+        raise CheckpointError(f"{folder / META}: config.model is not an object; the checkpoint is corrupted")
+    return meta

@@ -16,18 +16,10 @@ from typing import Any
 
 import torch
 
-from fxmega import hf_layout, tree
+from fxmega import hf_files, hf_layout, tree
 from fxmega.errors import CheckpointError, ConfigError
+from fxmega.json_files import check_fields
 from fxmega.models import gpt, llama
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} has no config.json: give a Hugging Face model directory") from None
-    except ValueError as e:
-        raise CheckpointError(f"{path / 'config.json'} is not valid JSON: {e}") from None
 
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -35,7 +27,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = hf_files.shard_names(index)
     elif (path / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
@@ -52,8 +44,16 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# the config.json fields each converter cannot do without (the others have transformers' defaults)
+_REQUIRED = {"gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),
+             "llama": ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")}
+
+
 def config_from_hf(hf: dict[str, Any]) -> tuple[str, gpt.Config | llama.Config]:
     kind = hf.get("model_type")
+    fix = "it is not a complete transformers config; re-save it with save_pretrained"
+    if kind in _REQUIRED:
+        check_fields(hf, f"config.json ({kind})", ConfigError, fix, required=dict.fromkeys(_REQUIRED[kind], int))
     if kind == "gpt2":
         _require(hf.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
                  f"GPT-2 activation {hf.get('activation_function')!r}: fxmega's GPT uses the tanh GELU (gelu_new)")
@@ -99,12 +99,12 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[str, 
     """(family, Config, parameter tree) from a local Hugging Face model directory (GPT-2,
     Llama, or BERT: ``fxmega.hf_bert``)."""
     path = Path(path)
-    if _read_config(path).get("model_type") == "bert":
+    if hf_files.read_config(path, "give a Hugging Face model directory").get("model_type") == "bert":
         from fxmega.hf_bert import load_hf_dir
 
         cfg, params = load_hf_dir(path, dtype)
         return "bert", cfg, params
-    family, cfg = config_from_hf(_read_config(path))
+    family, cfg = config_from_hf(hf_files.read_config(path, "give a Hugging Face model directory"))
     sd = {k: v.to(dtype) for k, v in _read_tensors(path).items()}
     try:
         params = hf_layout.gpt2_from_hf(sd, cfg) if family == "gpt" else hf_layout.llama_from_hf(sd, cfg)

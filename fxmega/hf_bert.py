@@ -10,13 +10,12 @@ not ours (``cls.seq_relationship``, a classifier, the ``position_ids`` buffer) a
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from fxmega import tree
+from fxmega import hf_files, tree
 from fxmega.errors import CheckpointError, ConfigError
 from fxmega.models import bert
 
@@ -188,7 +187,7 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
 
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = hf_files.shard_names(index)
         out: dict[str, torch.Tensor] = {}
         for name in files:
             out |= load_file(str(path / name))
@@ -208,12 +207,7 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[b
     """(Config, params) from a local Hugging Face BERT directory (``config.json`` and the
     weights). The pooler and MLM head are loaded when their tensors are present."""
     path = Path(path)
-    try:
-        hf = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path} has no config.json: give a Hugging Face BERT model directory") from None
-    except ValueError as e:
-        raise CheckpointError(f"{path / 'config.json'} is not valid JSON: {e}") from None
+    hf = hf_files.read_config(path, "give a Hugging Face BERT model directory")
     sd = _normalise_keys(_read_state_dict(path))
     cfg = dataclasses.replace(config_from_hf(hf), pooler="pooler.dense.weight" in sd,
                               mlm_head="cls.predictions.transform.dense.weight" in sd)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fxmega import kernels
 from fxmega.errors import ConfigError
@@ -79,7 +80,7 @@ def chunked_cross_entropy_sum(h: torch.Tensor, w: torch.Tensor, targets: torch.T
     """``cross_entropy_sum(h @ w, targets, loss_mask)`` for hidden states ``h [..., embed]``
     and the output weight ``w [embed, vocab]``, ``chunk`` tokens at a time; equal to the
     plain loss in value and gradients (to rounding)."""
-    if isinstance(h, torch.distributed.tensor.DTensor) or isinstance(w, torch.distributed.tensor.DTensor):
+    if isinstance(h, DTensor) or isinstance(w, DTensor):
         raise ConfigError(
             "compute.loss_chunk works on an unsplit vocabulary; with tensor parallelism the logits are already "
             "split over the vocabulary (vocab-parallel cross-entropy): set compute.loss_chunk=0")

@@ -1,5 +1,5 @@
 """Run a function on several local gloo ranks, each in a fresh process, and collect what
-each returns. What makes this reliable on small CPU machines (see ../shared/DESIGN.md):
+each returns. What makes this reliable on small CPU machines (each learned the hard way):
 a per-rank inductor cache, OMP_NUM_THREADS=1, a process-group timeout, and os._exit at the
 end of every worker (workers otherwise sometimes abort at exit)."""
 

@@ -20,6 +20,7 @@ from fxmega.data import vocab_files as vf
 from fxmega.errors import CheckpointError, ConfigError, DataError
 from fxmega.models import bert
 from tests.conftest import ROOT
+from tests.tolerance import assert_within_rounding, forward_lengths
 
 VOCAB = 99
 TIED = {"cls.predictions.decoder.weight", "cls.predictions.decoder.bias"}
@@ -250,6 +251,7 @@ def tp_worker(rules: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rules", ["megatron", "megatron-sp"])
 def test_tensor_parallel_equals_single_device(rules):
     from tests.multirank import run_ranks
@@ -264,8 +266,8 @@ def test_tensor_parallel_equals_single_device(rules):
     got = run_ranks(2, "tests.test_bert:tp_worker", rules, timeout=300)[0]
     assert got.pop("wq_local_shape") == (32, 2, 8)  # 4 heads of 8, 2 on each rank
     got["logits"] = got["logits"][..., :VOCAB]  # the padding column tp added
-    for key, tensor in want.items():
-        torch.testing.assert_close(got[key], tensor, rtol=1e-5, atol=1e-5, msg=key)
+    for key, tensor in want.items():  # tp splits heads and the MLP: other orders of the same sums
+        assert_within_rounding(got[key], tensor, forward_lengths(cfg, tokens.shape[1]), what=key)
 
 
 # --- a real pretrained BERT ------------------------------------------------------------------
@@ -315,6 +317,7 @@ def minilm() -> Path:
     return ensure_minilm(download=download)
 
 
+@pytest.mark.slow
 def test_real_minilm_equals_transformers_float32(minilm):
     transformers = _transformers()
     cfg, params = hf_bert.load_hf_dir(minilm)
@@ -330,8 +333,10 @@ def test_real_minilm_equals_transformers_float32(minilm):
         got = bert.forward(params, enc["input_ids"], cfg, enc["token_type_ids"], enc["attention_mask"])
     keep = enc["attention_mask"].bool()
     assert not keep.all()  # the first pair is padded
-    torch.testing.assert_close(got[keep], want.last_hidden_state[keep], rtol=0, atol=1e-5)
-    torch.testing.assert_close(bert.pooler_output(params, got, cfg), want.pooler_output, rtol=0, atol=1e-5)
+    # MiniLM in float32, transformers' SDPA against ours: 6 layers of other summation orders
+    n = forward_lengths(cfg, enc["input_ids"].shape[1])
+    assert_within_rounding(got[keep], want.last_hidden_state[keep], n, what="hidden")
+    assert_within_rounding(bert.pooler_output(params, got, cfg), want.pooler_output, n + cfg.d_model, what="pooled")
 
 
 def test_real_minilm_embeddings_rank_paraphrases_first(minilm):

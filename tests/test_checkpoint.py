@@ -24,6 +24,7 @@ from fxmega.train import Run
 from tests.checkpoint_workers import config
 from tests.conftest import ROOT
 from tests.multirank import run_ranks
+from tests.tolerance import assert_losses_match
 
 SHAKESPEARE = ["--set", "data.source=shakespeare", "--set", f"data.data_dir={ROOT / 'data'}"]
 CLI = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), *SHAKESPEARE, "--no-compile", "--no-progress",
@@ -39,6 +40,7 @@ def _cli(args: list[str], env: dict | None = None, **kw) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}, **kw)
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_continues_bit_identically(tmp_path):
     straight, resumed = tmp_path / "straight.jsonl", tmp_path / "resumed.jsonl"
     assert main([*CLI, "--save", str(tmp_path / "ckpt"), "--save-interval", "3", "--log-jsonl", str(straight)]) == 0
@@ -59,6 +61,7 @@ def saved(tmp_path, tiny_gpt):
     return tmp_path / "ckpt", run
 
 
+@pytest.mark.slow
 def test_a_save_killed_before_its_rename_leaves_the_last_checkpoint_loadable(tmp_path):
     root = tmp_path / "ckpt"
     proc = _cli([*CLI, "--save", str(root), "--save-interval", "2"],
@@ -124,6 +127,32 @@ def test_metadata_that_names_foreign_code_is_refused(saved):
         Run(_tiny()).resume(str(root))
 
 
+@pytest.mark.parametrize(("name", "content", "says"), [
+    (MANIFEST, b"0", r"holds an integer \(0\) where an object belongs"),
+    (MANIFEST, b"[]", r"holds an array \(\[\]\) where an object belongs"),
+    (MANIFEST, b'{"files": 3}', r"field 'files' is an integer \(3\), it must be an object"),
+    (MANIFEST, b'{"nope": {}}', r"has no field 'files'"),
+    (MANIFEST, b'{"files": {"../../etc/passwd": {"bytes": 1, "crc32": 0}}}', r"not a file name inside"),
+    (MANIFEST, b'{"files": {"meta.json": {"bytes": "9", "crc32": 0}}}', r"field 'bytes' is a string"),
+    (MANIFEST, b"\xff\xfe", r"cannot be read as UTF-8 text"),
+    ("meta.json", b"0", r"meta.json holds an integer"),
+    ("meta.json", b"{}", r"meta.json has no field 'step'"),
+    ("meta.json", b'{"step": true}', r"field 'step' is a boolean \(true\), it must be an integer"),
+    ("meta.json", b'{"step": 1, "config": {"model": 5}}', r"config.model is not an object"),
+    (".metadata", pickle.dumps(0), r"unpickles to int, not DCP's Metadata"),
+])
+def test_files_of_the_wrong_shape_are_checkpoint_errors(tmp_path, name, content, says):
+    """What the fuzz test once found (manifest.json holding 0 gave a TypeError), for every
+    file a checkpoint holds: valid JSON or pickle of the wrong shape is a CheckpointError."""
+    step = checkpoint.save(tmp_path, 1, {"params.w": torch.ones(4)}, {"step": 1})
+    (step / name).write_bytes(content)
+    if name != MANIFEST:  # the manifest is rewritten too, so the shape check (not the CRC) must catch it
+        write_manifest(step, digests(step, sorted(json.loads((step / MANIFEST).read_text())["files"])))
+    with pytest.raises(CheckpointError, match=says):
+        checkpoint.check(step)
+        checkpoint.saved_shapes(step)
+
+
 def test_keep_last_retires_old_checkpoints(tmp_path):
     run = Run(_tiny())
     run.cfg = override(run.cfg, ["train.keep_last=2"])
@@ -173,18 +202,22 @@ def _single(root=None, save_at: int = 3) -> list[float]:
     return [run.do_step()["loss"] for _ in range(6)]
 
 
+@pytest.mark.slow
 def test_dp2_tp2_checkpoint_continues_on_one_device(tmp_path):
     r = run_ranks(4, "tests.checkpoint_workers:save_then_load", dict(mesh="dp=2,tp=2", rules="zero1"),
                   str(tmp_path), 3)[0]
-    torch.testing.assert_close(_single(tmp_path), r["saved_run"][3:], rtol=1e-5, atol=0)
+    # steps 4-6 on one device against the 4-rank run that saved at step 3: other summation orders
+    assert_losses_match(_single(tmp_path), r["saved_run"][3:], config(None), first_step=4)
 
 
+@pytest.mark.slow
 def test_tp2_pp2_checkpoint_continues_on_dp4(tmp_path):
     r = run_ranks(4, "tests.checkpoint_workers:save_then_load", dict(mesh="tp=2,pp=2", sequence_parallel=True),
                   str(tmp_path), 3, dict(mesh="dp=4", rules="zero1"))[0]
-    torch.testing.assert_close(r["loaded_run"], r["saved_run"][3:], rtol=1e-5, atol=0)
+    assert_losses_match(r["loaded_run"], r["saved_run"][3:], config(None), first_step=4)
 
 
+@pytest.mark.slow
 def test_single_device_checkpoint_continues_on_tp2(tmp_path):
     run = Run(config(None))
     straight = []
@@ -193,4 +226,4 @@ def test_single_device_checkpoint_continues_on_tp2(tmp_path):
         if step == 2:
             run.save(str(tmp_path))
     r = run_ranks(2, "tests.checkpoint_workers:save_then_load", None, str(tmp_path), 3, dict(mesh="tp=2"))[0]
-    torch.testing.assert_close(r["loaded_run"], straight[3:], rtol=1e-5, atol=0)
+    assert_losses_match(r["loaded_run"], straight[3:], config(None), first_step=4)

@@ -18,6 +18,7 @@ from tests.multirank import ROOT, run_ranks
     (4, ["@tiny_llama", "parallel.mesh=dp=2,pp=2", "parallel.zero=1", "train.global_batch_size=32",
          "model.n_layers=4"]),
 ])
+@pytest.mark.slow
 def test_state_bytes_equal_what_ranks_allocate(world, sets):
     for r, got in enumerate(run_ranks(world, "tests.estimate_workers:state_bytes", sets)):
         pred = got["pred"]
@@ -44,6 +45,7 @@ def _within_15_percent(what: str, ranks: list[dict]) -> None:
         assert 0.85 <= ratio <= 1.15, rank
 
 
+@pytest.mark.slow
 def test_tp2_step_peak_within_15_percent():
     """Two gloo ranks, tp=2, a compiled (inductor) forward+backward whose activations
     dominate; each rank's peak above its resident set, against the estimate."""
@@ -52,6 +54,7 @@ def test_tp2_step_peak_within_15_percent():
                                                 "train.micro_batch_size=8"))
 
 
+@pytest.mark.slow
 def test_pp2_step_peak_within_15_percent():
     """Two gloo ranks, pp=2, 1F1B over 4 micro batches, compiled stages: the first stage
     keeps two micro batches' activations, the last one plus the head; the whole step's

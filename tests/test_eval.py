@@ -13,11 +13,13 @@ from fxmega.cli import main
 from fxmega.config import load, override
 from fxmega.train import Run
 from tests.conftest import ROOT
+from tests.tolerance import run_rtol
 
 ARGS = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--mock-data", "--no-progress", "--no-compile",
         "--micro-batch-size", "4", "--eval-iters", "3"]
 
 
+@pytest.mark.slow
 def test_eval_of_a_checkpoint_on_one_device_and_on_tp2(tmp_path):
     ckpt = tmp_path / "ckpt"
     assert main([*ARGS, "--steps", "5", "--save", str(ckpt)]) == 0
@@ -32,7 +34,8 @@ def test_eval_of_a_checkpoint_on_one_device_and_on_tp2(tmp_path):
                    ["data.source=mock", "train.compile=false", "train.micro_batch_size=4", "train.eval_iters=3"])
     run = Run(cfg)
     assert run.resume(str(ckpt))
-    assert result["loss"] == pytest.approx(run.evaluate(), rel=1e-6)
+    # the same forward over the same batches; summed per micro batch in another grouping
+    assert result["loss"] == pytest.approx(run.evaluate(), rel=run_rtol(cfg, 1))
 
     sharded = tmp_path / "tp2.jsonl"
     proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "eval", *ARGS, "--load", str(ckpt), "--mesh", "tp=2",
@@ -40,7 +43,7 @@ def test_eval_of_a_checkpoint_on_one_device_and_on_tp2(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "perplexity" in proc.stdout
-    assert json.loads(sharded.read_text())["loss"] == pytest.approx(result["loss"], rel=1e-5)
+    assert json.loads(sharded.read_text())["loss"] == pytest.approx(result["loss"], rel=run_rtol(cfg, 1))  # tp's orders
 
 
 def test_eval_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):

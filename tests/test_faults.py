@@ -12,17 +12,24 @@ import sys
 import pytest
 import yaml
 
-from fxmega.cli import main
+from fxmega.cli import build_parser, config_from_args, main
 from tests.conftest import ROOT
+from tests.tolerance import run_rtol
 
 ARGS = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--mock-data", "--no-progress", "--no-compile",
         "--steps", "6", "--micro-batch-size", "4", "--log-interval", "1"]
+
+
+def _cfg():
+    """The run ARGS describe, for its rounding tolerance."""
+    return config_from_args(build_parser().parse_args(ARGS))
 
 
 def _records(path) -> list[dict]:
     return [json.loads(line) for line in open(path)]
 
 
+@pytest.mark.slow
 def test_killed_rank_restarts_and_resumes_from_the_last_checkpoint(tmp_path):
     straight = tmp_path / "straight.jsonl"
     assert main([*ARGS, "--log-jsonl", str(straight)]) == 0
@@ -41,9 +48,11 @@ def test_killed_rank_restarts_and_resumes_from_the_last_checkpoint(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 5, 6]
     assert records[4]["loss"] == records[5]["loss"]
     want = {r["step"]: r["loss"] for r in _records(straight)}
-    assert [r["loss"] for r in records[5:]] == pytest.approx([want[5], want[6]], rel=1e-5)
+    # steps 5 and 6 on dp=2 against one device: other summation orders
+    assert [r["loss"] for r in records[5:]] == pytest.approx([want[5], want[6]], rel=run_rtol(_cfg(), 6))
 
 
+@pytest.mark.slow
 def test_two_runs_with_the_same_seed_are_bitwise_identical(tmp_path):
     import torch
 
@@ -82,6 +91,7 @@ def _tiny(*extra):
     return override(load(ROOT / "configs" / "tiny_gpt.py"), ["train.compile=true", *extra])
 
 
+@pytest.mark.slow
 def test_nonfinite_step_is_skipped_inside_the_compiled_step(monkeypatch):
     import torch
     from torch._dynamo.utils import counters
@@ -150,6 +160,7 @@ def _run_two_ranks(env: dict, *extra: str) -> tuple[subprocess.CompletedProcess,
     return proc, time.monotonic() - t0
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_is_named_within_the_timeout():
     # rank 1 stops answering before step 3 (a sick host); rank 0's collective gives up after
     # 8 s and says who it waited for, on which mesh axis, and what the backend reported
@@ -160,6 +171,7 @@ def test_a_stalled_rank_is_named_within_the_timeout():
     assert seconds < 40, f"took {seconds:.0f} s: the failure did not come within the timeout"
 
 
+@pytest.mark.slow
 def test_the_straggler_is_named_in_the_log():
     proc, _ = _run_two_ranks({"FXMEGA_TEST_STALL_AT_STEP": "1:4:0.5"})
     assert proc.returncode == 0, proc.stderr[-2000:]

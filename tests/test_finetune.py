@@ -21,6 +21,7 @@ from fxmega.data.tokenizer import build_tokenizer
 from fxmega.errors import ConfigError, DataError
 from fxmega.models import gpt, llama
 from tests.conftest import ROOT
+from tests.tolerance import assert_within_rounding, forward_lengths, run_rtol
 
 BYTES = build_tokenizer("byte")
 
@@ -136,7 +137,8 @@ def test_last_token_pooling_ignores_padding(module, name):
     torch.testing.assert_close(out, again)
     # the padded row pools position 2: the same vector as the unpadded 3-token text
     alone = ft.pooled(module, params, {"inputs": tokens[:1, :3], "attention_mask": mask[:1, :3]}, mcfg)
-    torch.testing.assert_close(out[:1], alone, atol=1e-5, rtol=1e-5)
+    # the 5-position batch attends over 5 slots (2 masked), the alone one over 3: other orders
+    assert_within_rounding(out[:1], alone, forward_lengths(mcfg, 5), what="pooled")
     assert not torch.allclose(out[0], out[1])
     logits = ft.classify(module, params, {"inputs": tokens, "attention_mask": mask}, mcfg)
     assert logits.shape == (2, 2)
@@ -174,7 +176,8 @@ def test_save_then_load_continues_exactly(task, tmp_path):
     # lr 0: the loaded model and classifier are evaluated unchanged
     frozen = dataclasses.replace(_cfg("tiny_gpt", steps=1), optim=dataclasses.replace(cfg.optim, lr=0.0, min_lr=0.0))
     again = ft.finetune(frozen, task[0], task[1], load=str(tmp_path / "ckpt"), tokenizer=BYTES)
-    assert again["valid_loss"] == pytest.approx(first["valid_loss"], rel=1e-5)
+    # the same parameters and batches; only the loaded run's compiled graph may fuse differently
+    assert again["valid_loss"] == pytest.approx(first["valid_loss"], rel=run_rtol(cfg, 1))
     for a, b in zip(tree.leaves(first["params"]), tree.leaves(again["params"])):
         torch.testing.assert_close(a, b)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fxmega.cli import build_parser, config_from_args
@@ -15,7 +15,7 @@ from fxmega.config import _all_keys, load
 from fxmega.errors import FxmegaError
 from fxmega.models import model_for
 from fxmega.sharding.strategy import plan_from
-from tests.conftest import ROOT
+from tests.conftest import FUZZING, ROOT
 
 CONFIG = ROOT / "configs" / "tiny_gpt.py"
 KEYS = _all_keys(load(CONFIG))
@@ -25,7 +25,14 @@ VALUES = st.one_of(
                      "zero3", "megatron", "byte", "gpt2", "949,50,1", "1,,2", "auto", "cpu", "cuda", "nan"]),
     st.text(max_size=12),
 )
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def examples(n: int) -> int:
+    """``n`` examples under ``make test``; twenty times as many under ``make fuzz``."""
+    return n * 20 if FUZZING else n
+
+
+FUZZ = settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _check(argv: list[str]) -> None:
@@ -67,7 +74,7 @@ def test_fuzzed_override_syntax(raw, flag_value):
     _check(["--config", str(CONFIG), "--set", raw, "--micro-batch-size", flag_value])
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.binary(max_size=300), st.binary(max_size=64))
 def test_fuzzed_indexed_dataset_files(tmp_path, idx, bin_):
     from fxmega.data.indexed import HEADER, IndexedDataset
@@ -84,8 +91,13 @@ def test_fuzzed_indexed_dataset_files(tmp_path, idx, bin_):
             pass
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.binary(max_size=400), st.sampled_from([".metadata", "meta.json", "manifest.json"]))
+@example(b"0", "manifest.json")  # found by a random run: valid JSON, not an object (was a TypeError)
+@example(b"[]", "manifest.json")
+@example(b'{"files": 3}', "manifest.json")
+@example(b"0", "meta.json")
+@example(b"\x80\x04K\x00.", ".metadata")  # pickle of the int 0: allowed classes only, wrong type
 def test_fuzzed_checkpoint_files(tmp_path, garbage, name):
     import torch
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from fxmega.config import ParallelConfig, load, override
@@ -90,6 +91,7 @@ def on_ranks() -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_tp_generation_equals_one_device_and_ranks_agree():
     ranks = run_ranks(2, "tests.test_generate_tp:on_ranks")
     for name in CASES:
@@ -124,6 +126,7 @@ def test_without_parallel_it_is_generate_cached(tiny_llama):
     assert generate_on_mesh(run, PROMPTS, NEW) == generate_cached(run.model, run.params, cfg.model, PROMPTS, NEW)
 
 
+@pytest.mark.slow
 def test_tp_next_to_zero3_gathers_over_dp_only():
     name = next(iter(FOUR_RANKS))
     assert run_ranks(4, "tests.test_generate_tp:on_four_ranks") == [single_device(name)] * 4

@@ -36,6 +36,7 @@ def _library_greedy(corpus, ckpt, prompt: str, n: int) -> str:
     return run.tokenizer.decode(ids[0])
 
 
+@pytest.mark.slow
 def test_generate_command_equals_the_library(trained, capsys):
     args, corpus = trained
     code = main(["generate", *args, "--prompt", "the quick", "--prompt", "over", "--temperature", "0",
@@ -49,6 +50,7 @@ def test_generate_command_equals_the_library(trained, capsys):
     assert "generate needs at least one --prompt" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_serve_command_answers_completions(trained):
     args, _ = trained
     proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "serve", *args, "--port", "0"], cwd=ROOT,
@@ -80,6 +82,7 @@ def test_serve_command_answers_completions(trained):
             proc.kill()
 
 
+@pytest.mark.slow
 def test_generate_command_on_a_tp2_mesh_equals_one_device(trained, capsys):
     args, corpus = trained
     gen = ["--prompt", "the lazy", "--temperature", "0", "--max-new-tokens", "10"]

@@ -269,6 +269,7 @@ def test_token_ids_beyond_the_vocabulary_are_rejected(tmp_path):
         data.global_batch(0, 4)
 
 
+@pytest.mark.slow
 def test_data_source_errors(tiny_gpt, tmp_path):
     with pytest.raises(DataError, match="neither a text file nor the prefix of an indexed dataset"):
         Run(_indexed_cfg(tiny_gpt, str(tmp_path / "nothing"), tmp_path))
@@ -276,6 +277,7 @@ def test_data_source_errors(tiny_gpt, tmp_path):
         Run(override(tiny_gpt, ["data.source=shakespeare", f"data.data_dir={ROOT / 'data'}", "data.tokenizer=gpt2"]))
 
 
+@pytest.mark.slow
 def test_command_line_preprocess_then_train(tmp_path, capsys):
     from fxmega.cli import main as run_main
     from fxmega.data.preprocess import main as preprocess_main

@@ -133,6 +133,7 @@ def tiny(extra: tuple = (), parallel: dict | None = None):
     return cfg
 
 
+@pytest.mark.slow
 def test_one_device_inductor_dump(tmp_path):
     run = Run(tiny(("train.global_batch_size=2", "train.micro_batch_size=2")))
     with dump_kernels(tmp_path) as dumps:
@@ -182,6 +183,7 @@ def two_ranks(tmp_path_factory):
     return directory, run_ranks(2, "tests.test_kernel_dump:worker", str(directory))
 
 
+@pytest.mark.slow
 def test_tensor_parallel_collectives_on_tp_axis(two_ranks):
     directory, results = two_ranks
     for rank, (tp, _) in enumerate(results):
@@ -200,6 +202,7 @@ def test_tensor_parallel_collectives_on_tp_axis(two_ranks):
     assert "rank1/index.md" in (directory / "tp2" / "index.md").read_text()
 
 
+@pytest.mark.slow
 def test_data_parallel_gradients_all_reduced_on_dp_axis_aot_eager(two_ranks):
     directory, results = two_ranks
     for _, dp in results:

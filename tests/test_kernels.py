@@ -22,9 +22,14 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-# (atol, rtol). bf16 is looser: the interpreter rounds fp32 -> bf16 by truncation where torch
-# rounds to nearest, so results can differ by one bf16 ulp (2**-7 relative).
-TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (3e-2, 2e-2)}
+sys.path.insert(0, str(ROOT))  # the child runs this file as a script
+from tests.tolerance import assert_within_rounding, reduction_rtol, run_rtol  # noqa: E402
+
+# (atol, rtol). fp32: the norms reduce over d <= 100 twice in their backward (the statistic,
+# then the dot with dy), each in another order than torch's, so 2 x 100 x eps. bf16 is
+# looser: the interpreter rounds fp32 -> bf16 by truncation where torch rounds to nearest,
+# so results can differ by one bf16 ulp (2**-7 relative) plus the fp32 bound.
+TOLERANCE = {torch.float32: (reduction_rtol(2 * 100), reduction_rtol(2 * 100)), torch.bfloat16: (3e-2, 2e-2)}
 SHAPES = [(2, 3, 48), (2, 3, 100), (7, 100)]  # 7 rows: the backward's last program has a ragged tail
 
 
@@ -39,41 +44,50 @@ def _run(check: str, interpret: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.slow
 def test_rms_norm_matches_reference():
     _run("rms_norm")
 
 
+@pytest.mark.slow
 def test_layer_norm_matches_reference():
     _run("layer_norm")
 
 
+@pytest.mark.slow
 def test_cross_entropy_rows_matches_reference():
     _run("cross_entropy_rows")
 
 
+@pytest.mark.slow
 def test_opcheck():
     _run("opcheck")
 
 
+@pytest.mark.slow
 def test_compiled_autograd_grad_keeps_custom_ops():
     _run("compile")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny_gpt", "tiny_llama"])
 def test_compiled_step_with_triton_kernels_equals_reference(model):
     _run(f"step_{model}")
 
 
+@pytest.mark.slow
 def test_run_refuses_triton_kernels_on_cpu_without_interpreter():
     proc = _run("run_refuses", interpret=False)
     assert "raised as expected" in proc.stdout
 
 
+@pytest.mark.slow
 def test_cpu_without_interpreter_is_a_clear_error():
     proc = _run("no_interpreter", interpret=False)
     assert "raised as expected" in proc.stdout
 
 
+@pytest.mark.slow
 def test_imports_without_triton():
     proc = _run("without_triton", interpret=False)
     assert "raised as expected" in proc.stdout
@@ -162,7 +176,10 @@ def check_cross_entropy_rows():
         for block_size in (64, None):
             loss, dlogits = triton_ops.cross_entropy_rows(logits, targets, vocab_size, block_size=block_size)
             assert loss.dtype == torch.float32 and loss.shape == (n,)
-            torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
+            # the loss, lse - z_t: a log-sum-exp over v columns (online, by blocks) in another order
+            # than torch's, whose sum of positive terms is within v eps relative, so within v eps
+            # absolute after the log; z_t adds eps x |z|
+            torch.testing.assert_close(loss, loss_ref, rtol=0, atol=reduction_rtol(v) * float(logits.abs().max()))
             _close(dlogits, dlogits_ref, f"dlogits {dtype} block {block_size}")
             assert torch.all(dlogits[:, vocab_size:] == 0)
     # A large vocabulary with the default block of 4096 walks several blocks too.
@@ -170,7 +187,7 @@ def check_cross_entropy_rows():
     targets = torch.tensor([0, 49_999])
     loss, dlogits = triton_ops.cross_entropy_rows(logits, targets, 50_000)
     loss_ref, dlogits_ref = _cross_entropy_reference(logits, targets, 50_000)
-    torch.testing.assert_close(loss, loss_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, loss_ref, rtol=0, atol=reduction_rtol(50_000) * float(logits.abs().max()))
     _close(dlogits, dlogits_ref, "dlogits V=50000")
 
 
@@ -211,7 +228,8 @@ def check_compile():
     compiled = torch.compile(lambda *a: step(triton_ops.rms_norm, *a), fullgraph=True, dynamic=False)
     got, code = run_and_get_code(compiled, x, scale, w)
     for name, g, e in zip(("loss", "dx", "dscale", "dw"), got, expected):
-        torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        # the norm over 48, the matmul over 48, the loss over 96 outputs; each in its own order
+        assert_within_rounding(g, e, (48, 48, 96), what=name)
     source = "\n".join(code)
     # Both kernels stay opaque calls in inductor's output; nothing was traced through them.
     assert "fxmega.rms_norm_fwd" in source and "fxmega.rms_norm_bwd" in source, source[-3000:]
@@ -245,8 +263,7 @@ def check_without_triton():
     print("raised as expected")
 
 
-def _train_losses(model: str, kernels: str) -> tuple[list[float], list[torch.Tensor]]:
-    from fxmega import tree
+def _train(model: str, kernels: str) -> tuple[list[float], list[float], object]:
     from fxmega.config import load, override
     from fxmega.train import Run
 
@@ -256,16 +273,21 @@ def _train_losses(model: str, kernels: str) -> tuple[list[float], list[torch.Ten
                    ["train.device=cpu", "train.compile=true", "train.compile_backend=aot_eager",
                     "compute.loss_chunk=96", f"compute.kernels={kernels}"])
     run = Run(cfg)
-    losses = [run.do_step()["loss"] for _ in range(3)]
-    return losses, [t.detach().clone() for t in tree.leaves(run.params)]
+    metrics = [run.do_step() for _ in range(3)]
+    return [m["loss"] for m in metrics], [m["grad_norm"] for m in metrics], cfg
 
 
 def _check_step(model: str) -> None:
-    ref_losses, ref_params = _train_losses(model, "reference")
-    losses, params = _train_losses(model, "triton")
-    torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=0)
-    for p, r in zip(params, ref_params):
-        torch.testing.assert_close(p, r, rtol=0, atol=1e-5)
+    """Losses and gradient norms per step equal the reference kernels' up to rounding. The
+    parameters after AdamW are not compared: AdamW turns a rounding-level difference in a
+    near-zero gradient into a step of up to lr, so they bound nothing (the kernels'
+    gradients are compared element by element in the checks above)."""
+    ref_losses, ref_norms, cfg = _train(model, "reference")
+    losses, norms, _ = _train(model, "triton")
+    for step, (a, b, na, nb) in enumerate(zip(losses, ref_losses, norms, ref_norms), 1):
+        rtol = run_rtol(cfg, step)  # the kernels sum in another order than torch's ops
+        assert abs(a - b) <= rtol * abs(b), f"step {step}: loss {a} vs reference {b} (rtol {rtol:.3g})"
+        assert abs(na - nb) <= rtol * abs(nb), f"step {step}: grad norm {na} vs reference {nb} (rtol {rtol:.3g})"
 
 
 def check_step_tiny_gpt():

@@ -8,17 +8,24 @@ import sys
 
 import pytest
 
-from fxmega.cli import main
+from fxmega.cli import build_parser, config_from_args, main
 from tests.conftest import ROOT
+from tests.tolerance import run_rtol
 
 ARGS = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--mock-data", "--no-progress", "--steps", "4",
         "--micro-batch-size", "4", "--log-interval", "2"]
+
+
+def _cfg(*extra: str):
+    """The run ARGS describe, for its rounding tolerance."""
+    return config_from_args(build_parser().parse_args([*ARGS, *extra]))
 
 
 def _losses(path):
     return [json.loads(line)["loss"] for line in open(path)]
 
 
+@pytest.mark.slow
 def test_mesh_2x2_through_the_launcher_matches_one_device(tmp_path):
     single = tmp_path / "single.jsonl"
     assert main([*ARGS, "--no-compile", "--log-jsonl", str(single)]) == 0
@@ -32,9 +39,11 @@ def test_mesh_2x2_through_the_launcher_matches_one_device(tmp_path):
     assert "starting 4 local processes" in out and "mesh: dp=2 x tp=2 (4 ranks)" in out
     assert all(f"rank {r}: dp={r // 2}, tp={r % 2}" in out for r in range(4))
     assert len(_losses(sharded)) == 4  # one rank writes the log
-    assert _losses(sharded) == pytest.approx(_losses(single), rel=1e-5)
+    # the 4 steps' losses (logged every 2) on a mesh that sums in other orders
+    assert _losses(sharded) == pytest.approx(_losses(single), rel=run_rtol(_cfg(), 4))
 
 
+@pytest.mark.slow
 def test_mesh_that_does_not_fit_the_world_is_one_clear_line(tmp_path):
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": "29533"}
@@ -52,6 +61,7 @@ def test_explain_prints_the_plan_for_a_big_mesh(capsys):
     assert "mesh: dp=8 x tp=4 (32 ranks)" in out and "blocks.31.mlp.w_down" in out
 
 
+@pytest.mark.slow
 def test_mesh_2x2x2_with_a_pipeline_through_the_launcher_matches_one_device(tmp_path):
     args = [*ARGS, "--micro-batch-size", "2", "--no-compile"]  # 2 microbatches per data rank and step
     single = tmp_path / "single.jsonl"
@@ -63,4 +73,4 @@ def test_mesh_2x2x2_with_a_pipeline_through_the_launcher_matches_one_device(tmp_
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "mesh: pp=2 x dp=2 x tp=2 (8 ranks)" in proc.stdout and "stage 1 on pp rank 1: block 1, L" in proc.stdout
-    assert _losses(piped) == pytest.approx(_losses(single), rel=1e-5)
+    assert _losses(piped) == pytest.approx(_losses(single), rel=run_rtol(_cfg("--micro-batch-size", "2"), 4))

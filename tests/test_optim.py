@@ -4,6 +4,7 @@ import torch
 
 from fxmega.models import gpt
 from fxmega.optim import AdamWHyper, adamw_init, adamw_update, clip_by_global_norm_, decay_mask
+from tests.tolerance import EPS32
 
 
 def test_adamw_equals_torch_optim_with_decay_mask():
@@ -27,7 +28,9 @@ def test_adamw_equals_torch_optim_with_decay_mask():
         opt.step()
         ours, state = adamw_update(ours, grads, state, torch.tensor(lr), hp, decay)
     for o, r in zip(ours, ref):
-        torch.testing.assert_close(o, r.detach(), rtol=1e-6, atol=1e-7)
+        # elementwise only (no reductions): each of 5 steps rounds ~8 operations (moments,
+        # bias corrections, sqrt, division, decay) that torch orders differently: 40 eps
+        torch.testing.assert_close(o, r.detach(), rtol=40 * EPS32, atol=40 * EPS32 * float(r.abs().max()))
     assert state["step"].item() == 5
 
 

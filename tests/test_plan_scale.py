@@ -23,6 +23,7 @@ def plan_of(cfg):
     return plan_from(model.param_specs(cfg.model), cfg.parallel, model)
 
 
+@pytest.mark.slow
 def test_64_rank_plan_in_one_process():
     cfg = cfg_of("tiny_gpt", "parallel.mesh=8x4x2", "train.global_batch_size=64", "compute.precision=bf16")
     text = plan_report(cfg, parse_bytes("1GB"), rank=37)  # a last-stage rank: its input is bf16
@@ -74,6 +75,7 @@ def test_fake_parallel_shards_match_the_plan():
     ("tiny_gpt", ["parallel.mesh=fsdp=4", "parallel.rules=fsdp"]),
     ("tiny_bert", ["parallel.mesh=dp=2", "parallel.zero=3"]),  # BERT: one piece
 ])
+@pytest.mark.slow
 def test_estimated_collectives_equal_the_traced_step(name, sets):
     cfg = cfg_of(name, *sets, "train.global_batch_size=32")
     mesh = MeshSpec.parse(cfg.parallel.mesh)

@@ -19,6 +19,7 @@ from fxmega import recompute, tree  # noqa: E402
 from fxmega.config import load, override  # noqa: E402
 from fxmega.step import compiled, enable_autograd_in_compile  # noqa: E402
 from fxmega.train import Run  # noqa: E402
+from tests.tolerance import assert_within_rounding, run_lengths  # noqa: E402
 
 MODES = ("none", "selective", "full")
 
@@ -43,17 +44,23 @@ def _grads(model: str, mode: str, backend: str | None, extra: tuple = ()) -> tup
     return loss, list(grads)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny_gpt", "tiny_llama"])
 @pytest.mark.parametrize("backend", [None, "aot_eager"])
 def test_recompute_modes_equal_no_recompute(model, backend):
     ref_loss, ref_grads = _grads(model, "none", None)
+    lengths = run_lengths(load(ROOT / "configs" / f"{model}.py"))
     for mode in ("selective", "full"):
         loss, grads = _grads(model, mode, backend, ("compute.recompute_layers=1",) if mode == "full" else ())
-        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        # eager recompute repeats the same ops (equal up to nothing); compiled, the graph may
+        # fuse them in another order: one step's reductions times eps. Gradients near zero
+        # are bounded against the largest gradient of their tensor.
+        assert_within_rounding(loss, ref_loss, lengths, what=f"{mode} loss")
         for g, r in zip(grads, ref_grads):
-            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+            assert_within_rounding(g, r, lengths, what=f"{mode} gradient")
 
 
+@pytest.mark.slow
 def test_recompute_lowers_peak_memory_of_the_compiled_step():
     # One fresh process per mode (memory freed by one must not hide another's), run side by
     # side. glibc returns freed blocks above 64 KiB to the system at once (set before each

@@ -26,6 +26,7 @@ def test_gpt2_known_vectors():
     assert 50256 not in tok.encode(TEXT)  # "<|endoftext|>" in a document is text, not the control id
 
 
+@pytest.mark.slow
 def test_gpt2_vocab_and_merges_give_the_same_ranks(gpt2_files):
     vocab, merges = gpt2_files
     assert ranks_from_gpt2_files(vocab, merges) == read_tiktoken_ranks(vf.ensure_gpt2_ranks(DATA))
@@ -58,6 +59,7 @@ def test_tiktoken_cl100k_rank_file():
     assert build_tokenizer(f"tiktoken:cl100k_base={path}").encode(TEXT) == tok.encode(TEXT)
 
 
+@pytest.mark.slow
 def test_sentencepiece_model():
     pytest.importorskip("sentencepiece")
     tok = build_tokenizer(f"sentencepiece:{vf.ensure_file(vf.BOTCHAN_SENTENCEPIECE, DATA)}")

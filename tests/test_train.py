@@ -3,6 +3,7 @@
 import json
 import math
 
+import pytest
 import torch
 
 from fxmega import checkpoint, tree
@@ -13,6 +14,7 @@ from fxmega.train import Run, train
 from tests.conftest import ROOT
 
 
+@pytest.mark.slow
 def test_loss_falls_below_unigram_entropy_on_shakespeare(tiny_gpt):
     ensure_shakespeare(ROOT / "data")
     cfg = override(tiny_gpt, ["data.source=shakespeare", f"data.data_dir={ROOT / 'data'}", "train.compile=false",

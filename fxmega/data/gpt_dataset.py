@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -132,12 +133,26 @@ class GPTDataset:
         return np.concatenate(pieces).astype(np.int64)
 
 
+def _read_index(path: Path) -> SampleIndex:
+    """A cached sample index; one that is unreadable or lacks an array is a DataError (no
+    silent rebuild: something overwrote a file this code wrote atomically)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = [np.asarray(z[k]) for k in ("order", "starts", "shuffle")]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        raise DataError(f"the cached sample index {path} is unreadable ({type(e).__name__}: {e}); delete it and "
+                        f"the run builds it again") from None
+    if any(a.ndim != 1 or a.dtype.kind not in "iu" for a in arrays):
+        raise DataError(f"the cached sample index {path} does not hold three integer vectors; delete it and the "
+                        f"run builds it again")
+    return SampleIndex(*arrays)
+
+
 def _cached(description: dict, cache_dir: str | Path, build) -> SampleIndex:
     key = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"{key}-{description['split']}-index.npz"
     if path.is_file():
-        with np.load(path) as z:
-            return SampleIndex(z["order"], z["starts"], z["shuffle"])
+        return _read_index(path)
     index = build()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")  # every rank may build it; the renames are atomic

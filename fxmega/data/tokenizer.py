@@ -20,12 +20,12 @@ missing one is named with the extra that installs it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from fxmega.errors import ConfigError, DataError
+from fxmega.json_files import is_a, read_object
 
 # The split patterns of OpenAI's encodings (as in tiktoken_ext/openai_public.py, where only
 # r50k's is importable), so a rank file on disk is enough and tiktoken never goes to the
@@ -96,7 +96,11 @@ class HFTokenizer:
     def __init__(self, path: str | Path) -> None:
         tokenizers = _need("tokenizers", "tokenizers")
         self.name = f"hf:{path}"
-        self._tok = tokenizers.Tokenizer.from_file(str(_existing(path, "tokenizer.json")))
+        try:
+            self._tok = tokenizers.Tokenizer.from_file(str(_existing(path, "tokenizer.json")))
+        except Exception as e:  # the library's own parse error: one line, the file named
+            raise DataError(f"{path} is not a tokenizers JSON file ({_first_line(e)}); give a tokenizer.json saved "
+                            f"by Hugging Face tokenizers or transformers") from None
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eod = next((self._tok.token_to_id(t) for t in (EOD_TEXT, "</s>", "<|end_of_text|>", "[SEP]", "<eos>")
                          if self._tok.token_to_id(t) is not None), None)
@@ -118,7 +122,11 @@ class SentencePieceTokenizer:
     def __init__(self, path: str | Path) -> None:
         spm = _need("sentencepiece", "sentencepiece")
         self.name = f"sentencepiece:{path}"
-        self._sp = spm.SentencePieceProcessor(model_file=str(_existing(path, "SentencePiece model")))
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=str(_existing(path, "SentencePiece model")))
+        except (RuntimeError, OSError) as e:  # a file that is not a serialized ModelProto
+            raise DataError(f"{path} is not a SentencePiece model ({_first_line(e)}); give the .model file "
+                            f"sentencepiece's trainer wrote (e.g. tokenizer.model)") from None
         self.vocab_size = self._sp.get_piece_size()
         self.eod = self._sp.eos_id() if self._sp.eos_id() >= 0 else None
 
@@ -203,18 +211,28 @@ def ranks_from_gpt2_files(vocab_json: str | Path, merges_txt: str | Path) -> dic
     per merge in ``merges.txt`` order. That is checked, so a vocabulary whose ids do not
     follow its merges is rejected rather than silently tokenized differently."""
     decode = {c: b for b, c in _bytes_to_unicode().items()}
-    vocab = json.loads(_existing(vocab_json, "vocab.json").read_text(encoding="utf-8"))
+    vocab = read_object(_existing(vocab_json, "vocab.json"), DataError,
+                        "give GPT-2's vocab.json: one object mapping each token to its integer id")
     ranks = {}
     for token, i in vocab.items():
         if token == EOD_TEXT:
             continue
+        if not is_a(i, int):
+            raise DataError(f"{vocab_json}: token {token!r} has id {i!r}, not an integer; the file is not a "
+                            f"GPT-2 vocab.json")
         try:
-            ranks[bytes(decode[c] for c in token)] = int(i)
+            ranks[bytes(decode[c] for c in token)] = i
         except KeyError:
             raise DataError(f"{vocab_json}: token {token!r} is not in GPT-2's byte-to-unicode alphabet") from None
-    lines = _existing(merges_txt, "merges.txt").read_text(encoding="utf-8").splitlines()
+    try:
+        lines = _existing(merges_txt, "merges.txt").read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{merges_txt} is not UTF-8 text ({e}); give GPT-2's merges.txt") from None
     merges = [line.split() for line in lines if line and not line.startswith("#version")]
     for k, pair in enumerate(merges):
+        if len(pair) != 2 or any(c not in decode for c in "".join(pair)):
+            raise DataError(f"{merges_txt}: line {k + 1} of the merges, {' '.join(pair)!r}, is not two tokens in "
+                            f"GPT-2's byte-to-unicode alphabet; the file is not a GPT-2 merges.txt")
         merged = bytes(decode[c] for c in "".join(pair))
         if ranks.get(merged) != 256 + k:
             raise DataError(f"{merges_txt}: merge {k} {pair} gives id {ranks.get(merged)} in {vocab_json}, not "
@@ -232,6 +250,10 @@ def _bpe_files(arg: str) -> tuple[Path, Path]:
             return folder / vocab, folder / merges
     raise DataError(f"{folder} holds neither vocab.json+merges.txt nor encoder.json+vocab.bpe: "
                     f"give gpt2-bpe:VOCAB.json,MERGES.txt")
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def _existing(path: str | Path, what: str) -> Path:
