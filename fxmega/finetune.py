@@ -27,10 +27,11 @@ from fxmega.data.tokenizer import build_tokenizer
 from fxmega.errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from fxmega.init import init_params
 from fxmega.models import bert, family_name, model_for
+from fxmega.objectives import global_count
 from fxmega.optim import AdamWHyper, adamw_init, decay_mask
 from fxmega.schedules import lr_at
 from fxmega.spec import ZEROS, ParamSpec, normal
-from fxmega.step import TrainStep, compiled, count_tokens, trainable
+from fxmega.step import TrainStep, compiled, trainable
 
 Batch = dict[str, torch.Tensor]
 
@@ -77,7 +78,7 @@ def classify(model: ModuleType, params: dict, batch: Batch, cfg: Any) -> torch.T
 def classification_loss_sum(logits: torch.Tensor, targets: torch.Tensor,
                             loss_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Summed cross-entropy over the examples (``loss_mask`` 0 leaves one out); the step
-    divides by the example count, which ``count_tokens`` reads from ``targets [B]``."""
+    divides by the example count, which ``objectives.count`` reads from ``targets [B]``."""
     return layers.cross_entropy_sum(logits, targets, loss_mask)
 
 
@@ -215,7 +216,7 @@ def finetune(cfg: RunConfig, data_path: str | Path, valid_path: str | Path | Non
         train_acc = sums([{**b, "loss_mask": torch.ones(len(b["targets"]))} for b in micro])[1] if log_line else 0.0
         lr = lr_at(step - 1, o, t.steps)
         params, opt_state, m = step_fn(params, opt_state, [{k: v.to(device) for k, v in b.items()} for b in micro],
-                                       lr, count_tokens([batch]))
+                                       lr, global_count([batch]))
         losses.append(float(m["loss"]))
         if not bool(m["finite"]):
             if t.nonfinite == "stop":

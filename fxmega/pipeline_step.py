@@ -10,8 +10,12 @@ inside it) except under the zero-bubble schedules, which split each backward int
 input part and a weight part by walking the stage's autograd graph — a compiled stage is
 one opaque autograd node, and torch refuses the combination — so those run eagerly.
 
-The loss is the summed cross-entropy of each microbatch divided by the token count of
-the whole global batch, as in ``fxmega.step``, so pp runs equal single-device runs.
+The loss is the objective's sum over each microbatch divided by the loss-term count of
+the whole global batch, as in ``fxmega.step``, so pp runs equal single-device runs. What
+the first stage's embedding reads besides the tokens (``model.EMBED_INPUTS``, e.g. BERT's
+token types) and what the objective reads from the batch (``objective.batch_keys``: the
+targets and the loss mask) travel as one tensor each, split into microbatches along the
+batch dimension like the tokens: torch's schedules carry one input and one target.
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ from torch import nn
 from torch.distributed import pipelining
 from torch.distributed.tensor import DTensor, Replicate
 
-from fxmega import layers, tree
+from fxmega import tree
+from fxmega.errors import ConfigError
+from fxmega.objectives import Objective, global_count
 from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms
 from fxmega.recompute import mode_for_block
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import SCHEDULES, SPLIT_BACKWARD, Stage, check_microbatches
-from fxmega.step import compiled, count_tokens
+from fxmega.step import compiled
 
 RESIDUAL = ("batch", "seq", "embed")
 LOGITS = ("batch", None, "vocab")
@@ -63,12 +69,15 @@ class PipelineStep:
     """Same interface as ``fxmega.step.TrainStep`` (``__call__`` returns params, optimizer
     state and metrics), plus ``eval_sum`` for validation."""
 
-    def __init__(self, par: Any, cfg: Any, model: Any, params: dict, decay: list[bool], hyper: AdamWHyper,
+    def __init__(self, par: Any, cfg: Any, model: Any, objective: Objective, params: dict, decay: list[bool],
+                 hyper: AdamWHyper,
                  clip_grad: float, n_micro: int, compile: bool, device: torch.device,
                  backend: str = "inductor", options: dict | None = None) -> None:
         plan, pipe = par.plan, par.plan.pipeline
         check_microbatches(pipe.schedule, n_micro, pipe.pp, pipe.virtual)
-        self.par, self.cfg, self.model, self.pipe = par, cfg, model, pipe
+        self.par, self.cfg, self.model, self.objective, self.pipe = par, cfg, model, objective, pipe
+        self._embed_inputs = tuple(getattr(model, "EMBED_INPUTS", ()))
+        self._target_keys: list[tuple[str, torch.dtype]] = []  # what the packed target holds, in order
         self.decay, self.hyper, self.clip_grad, self.device = decay, hyper, clip_grad, device
         self.flat = tree.leaves(params)
         self.compiled = compile
@@ -119,9 +128,11 @@ class PipelineStep:
         def run(flat: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
             params = tree.unflatten_like(like, flat)
             with layout.activate(par if par.tp_mesh is not None else None):
-                if stage.embed:
-                    x = self._wrap(x, None)
-                    x = par._call(model.embed, top(model.EMBED_PARAMS, params), top(model.EMBED_PARAMS, lays), x, cfg)
+                if stage.embed:  # the tokens, or [batch, 1 + len(EMBED_INPUTS), seq] with the embedding's inputs
+                    parts = [x] if not self._embed_inputs else list(x.unbind(1))
+                    parts = [self._wrap(t, None) for t in parts]
+                    x = par._call(model.embed, top(model.EMBED_PARAMS, params), top(model.EMBED_PARAMS, lays),
+                                  parts[0], cfg, *parts[1:])
                 else:
                     x = self._wrap(x, RESIDUAL)
                 for i in stage.blocks:
@@ -146,23 +157,44 @@ class PipelineStep:
             return x
         return self.par.constrain(x, axes).to_local()
 
-    def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Summed cross-entropy of a microbatch over the global token count (vocab-parallel
-        under tp: the logits stay split)."""
+    def _loss_fn(self, outputs: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+        """The objective's sum over a microbatch, divided by the global count (vocab-parallel
+        under tp: the logits stay split). ``packed`` holds ``objective.batch_keys``."""
         par = self.par
+        batch = {k: self._wrap(packed[:, i].to(dtype), None) for i, (k, dtype) in enumerate(self._target_keys)}
         with layout.activate(par if par.tp_mesh is not None else None):
-            loss = layers.cross_entropy_sum(self._wrap(logits, LOGITS), self._wrap(targets, None), None,
-                                            vocab_size=self.cfg.vocab_size)
+            loss, _ = self.objective(self._wrap(outputs, LOGITS), batch)
         if isinstance(loss, DTensor):
             loss = loss.redistribute(par.tp_mesh, [Replicate()]).to_local()
         return loss * self._inv_tokens
 
-    def _run_schedule(self, micro: list[dict[str, torch.Tensor]], train: bool) -> torch.Tensor:
+    def _first_input(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The tokens, stacked with what the embedding reads besides them (``EMBED_INPUTS``)."""
         tokens = torch.cat([m["inputs"] for m in micro])
-        targets = torch.cat([m["targets"] for m in micro])
+        if not self._embed_inputs:
+            return tokens
+        missing = [k for k in self._embed_inputs if k not in micro[0]]
+        if missing:
+            raise ConfigError(f"the pipeline's first stage embeds batch[{missing[0]!r}], which this data does not "
+                              f"give; use data built for this model family")
+        return torch.stack([tokens, *(torch.cat([m[k] for m in micro]) for k in self._embed_inputs)], dim=1)
+
+    def _packed_target(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """``objective.batch_keys`` present in the batch as one float64 tensor ``[batch, keys,
+        ...]`` (exact for token ids below 2**53 and for fp32 masks), unpacked by ``_loss_fn``."""
+        keys = [k for k in self.objective.batch_keys if k in micro[0]]
+        self._target_keys = [(k, micro[0][k].dtype) for k in keys]
+        return torch.stack([torch.cat([m[k] for m in micro]).to(torch.float64) for k in keys], dim=1)
+
+    def _run_schedule(self, micro: list[dict[str, torch.Tensor]], train: bool) -> torch.Tensor:
+        mask = micro[0].get("attention_mask")
+        if mask is not None and not all(bool(m["attention_mask"].all()) for m in micro):
+            raise ConfigError("this batch pads its sequences (attention_mask has zeros), and the pipeline does not "
+                              "carry an attention mask between stages: train it without pp (--mesh without pp=), "
+                              "or on packed, unpadded sequences")
         losses: list[torch.Tensor] = []
-        args = (tokens,) if self.has_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        args = (self._first_input(micro),) if self.has_first else ()
+        kwargs = {"target": self._packed_target(micro), "losses": losses} if self.has_last else {}
         (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
         mine = torch.stack([loss.detach().reshape(()) for loss in losses]).sum() if losses else \
             torch.zeros((), device=self.device)
@@ -202,7 +234,7 @@ class PipelineStep:
                  lr: float, n_tokens: torch.Tensor | None = None,
                  loss_scale: float | None = None) -> tuple[tree.Tree, dict, dict[str, torch.Tensor]]:
         if n_tokens is None:
-            n_tokens = count_tokens(micro_batches)
+            n_tokens = global_count(micro_batches)
         scale = 1.0 if loss_scale is None else loss_scale
         self._inv_tokens = (scale / n_tokens).to(self.device)  # fp16: the backward runs on the scaled loss
         unscale = None if loss_scale is None else torch.tensor(1.0 / loss_scale, device=self.device)

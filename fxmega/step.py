@@ -25,6 +25,7 @@ import torch
 import torch._dynamo
 
 from fxmega import tree
+from fxmega.objectives import global_count
 from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms
 from fxmega.sharding.zero3 import backward_phase
 
@@ -54,12 +55,6 @@ def trainable(params: tree.Tree) -> tree.Tree:
     for p in tree.leaves(params):
         p.requires_grad_(True)
     return params
-
-
-def count_tokens(micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-    """Tokens that count towards the loss over a list of micro batches, as a 0-dim tensor."""
-    total = sum(float(b["loss_mask"].sum()) if "loss_mask" in b else b["targets"].numel() for b in micro_batches)
-    return torch.tensor(float(total))
 
 
 class TrainStep:
@@ -154,7 +149,7 @@ class TrainStep:
         flat = tree.leaves(params)
         device = flat[0].device
         if n_tokens is None:
-            n_tokens = count_tokens(micro_batches)
+            n_tokens = global_count(micro_batches)
         inv_tokens = (1.0 / n_tokens).to(device)
         grad_weight, unscale = inv_tokens, None  # what the summed loss is multiplied by for the backward
         if loss_scale is not None:

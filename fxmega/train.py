@@ -28,10 +28,11 @@ from fxmega.init import count_params, init_params
 from fxmega.logs import RunLog
 from fxmega.memory import peak_bytes, reset_peak
 from fxmega.metrics import Throughput, device_peak, model_flops_per_token
-from fxmega.models import family_name, lm_loss_sum, model_for
+from fxmega.models import family_name, lm_loss_sum, loss_by_pieces, model_for
+from fxmega.objectives import global_count
 from fxmega.optim import AdamWHyper, adamw_init, decay_mask
 from fxmega.schedules import lr_at
-from fxmega.step import EvalStep, TrainStep, count_tokens, trainable
+from fxmega.step import EvalStep, TrainStep, trainable
 
 
 def set_deterministic() -> None:
@@ -105,7 +106,7 @@ class Run:
         else:
             self.params = parallel.init_params(t.seed, self.device)
             self.opt_state = parallel.init_opt_state(self.device)
-            loss_sum = parallel.loss_sum_fn(cfg.model)
+            loss_sum = parallel.loss_sum_fn(loss_by_pieces(cfg.model, parallel.compute))
         self.step = 0  # optimizer steps taken
         self.skipped_steps = 0  # of them, steps whose update was dropped (non-finite)
         self._checkpointer: checkpoint.Checkpointer | None = None
@@ -116,7 +117,8 @@ class Run:
 
             # PipelineStage registers the stage's parameters as nn.Parameters (same storage)
             self.params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), self.params)
-            self.train_step = PipelineStep(parallel, cfg.model, self.model, self.params, decay, hyper,
+            self.train_step = PipelineStep(parallel, cfg.model, self.model, self.model.objective(cfg.model),
+                                           self.params, decay, hyper,
                                            cfg.optim.clip_grad, cfg.grad_accum_steps(data_size), t.compile,
                                            self.device, backend=t.compile_backend, options=options)
             self.eval_step = None
@@ -153,7 +155,7 @@ class Run:
         """One optimizer step on the next global batch; returns loss, lr and grad norm."""
         t = self.cfg.train
         batch = self.train_data.global_batch(self.step, t.global_batch_size)
-        n_tokens = count_tokens([batch])  # of the whole global batch, whatever this rank's share
+        n_tokens = global_count([batch])  # of the whole global batch, whatever this rank's share
         n_tokens = faults.maybe_poison(self.step + 1, n_tokens)
         lr = lr_at(self.step, self.cfg.optim, t.steps)
         scale = self.scaler.scale if self.scaler is not None else None
@@ -208,11 +210,11 @@ class Run:
         sequences whatever the mesh)."""
         t = self.cfg.train
         total = torch.zeros((), device=self.device)
-        count = 0
+        count = 0.0
         with kernels.use(self.cfg.compute.kernels):  # as in training: the compiled stages are shared
             for i in range(t.eval_iters):
                 batch = self.valid_data.global_batch(i, t.global_batch_size)
-                count += int(batch["loss_mask"].sum()) if "loss_mask" in batch else batch["targets"].numel()
+                count += float(global_count([batch]))
                 if self.pipelined:  # already summed over the pipeline and the data ranks
                     total += self.train_step.eval_sum(self._my_micro_batches(batch))
                     continue

@@ -7,7 +7,7 @@ import torch
 
 from fxmega import tree
 from fxmega.config import load, override
-from fxmega.models import family_name, model_for
+from fxmega.models import family_name, loss_by_pieces, model_for
 from fxmega.sharding import distributed, estimate
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.strategy import plan_from
@@ -64,7 +64,8 @@ def step_peak(sets: list[str]) -> dict:
     par, device = distributed.setup(cfg, mesh) if mesh.world_size > 1 else (None, torch.device("cpu"))
     run = Run(cfg, par, device)
     flat = tree.leaves(run.params)
-    loss_sum = par.loss_sum_fn(cfg.model) if par is not None else run._single_device_loss_sum
+    loss_sum = par.loss_sum_fn(loss_by_pieces(cfg.model, par.compute)) if par is not None else \
+        run._single_device_loss_sum
     batch = run.train_data.global_batch(0, cfg.train.micro_batch_size * mesh.data_size)
     if par is not None:
         batch = run._my_micro_batches(batch)[0]

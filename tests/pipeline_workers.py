@@ -30,15 +30,52 @@ def pipelined(runs: list[tuple[str, dict, bool, tuple]], steps: int) -> dict | N
         torch._dynamo.reset()
         counters.clear()
         run = Run(cfg, par, device)
-        losses = [run.do_step()["loss"] for _ in range(steps)]
+        metrics = [run.do_step() for _ in range(steps)]
         graphs = counters["stats"]["unique_graphs"]  # of the training steps
         valid = run.evaluate()
         full = {p: t.detach().clone() for p, t in tree.items(run.full_params())}
         local = {p: t.detach().clone() for p, t in tree.items(run.params)}
-        out[name] = {"losses": losses, "valid": valid, "params": full, "local": local, "coords": par.coords,
+        out[name] = {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
+                     "valid": valid, "params": full, "local": local, "coords": par.coords,
                      "graphs": graphs}
     return out if torch.distributed.get_rank() == 0 else _rank_result(out)
 
 
 def _rank_result(out: dict) -> dict:
     return {name: {"local": r["local"], "coords": r["coords"], "graphs": r["graphs"]} for name, r in out.items()}
+
+
+class PartialLossMask:
+    """A run's data with a ``loss_mask`` that keeps about two thirds of the targets, drawn
+    from the step so every mesh sees the same mask: masked-out targets must leave the loss's
+    sum and its count alike, on one device, across data ranks and on the last stage."""
+
+    def __init__(self, data) -> None:
+        self.data = data
+
+    def global_batch(self, step: int, batch_size: int) -> dict[str, torch.Tensor]:
+        batch = self.data.global_batch(step, batch_size)
+        draw = torch.rand(batch["targets"].shape, generator=torch.Generator().manual_seed(1000 + step))
+        return {**batch, "loss_mask": (draw < 0.67).float()}
+
+    def __getattr__(self, name: str):
+        return getattr(self.data, name)
+
+
+def masked_run(cfg, par=None, device=None) -> Run:
+    run = Run(cfg, par, device) if par is not None else Run(cfg)
+    run.train_data, run.valid_data = PartialLossMask(run.train_data), PartialLossMask(run.valid_data)
+    return run
+
+
+def partial_loss_mask(parallel: dict, steps: int) -> dict | None:
+    """The tiny GPT with a partial loss mask on a mesh, eagerly: losses, gradient norms and
+    the validation loss (rank 0)."""
+    cfg = dataclasses.replace(tiny_config(compile=False, extra=("train.micro_batch_size=2",)),
+                              parallel=ParallelConfig(bucket_size=BUCKET, **parallel))
+    par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
+    run = masked_run(cfg, par, device)
+    metrics = [run.do_step() for _ in range(steps)]
+    out = {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
+           "valid": run.evaluate()}
+    return out if torch.distributed.get_rank() == 0 else None

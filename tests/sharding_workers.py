@@ -51,12 +51,12 @@ def _train(cfg, steps: int, record: bool):
     counters.clear()
     if record:
         with record_collectives() as graphs:
-            losses = [run.do_step()["loss"] for _ in range(steps)]
+            metrics = [run.do_step() for _ in range(steps)]
     else:
-        graphs, losses = [], [run.do_step()["loss"] for _ in range(steps)]
+        graphs, metrics = [], [run.do_step() for _ in range(steps)]
     labels = par.group_labels()
     collectives = [[(c.op, labels.get(c.group, c.group), c.shape, c.bytes_sent_per_rank) for c in g] for g in graphs]
-    return run, par, losses, collectives
+    return run, par, metrics, collectives
 
 
 def strategies(names: list[str], steps: int) -> dict | None:
@@ -65,9 +65,10 @@ def strategies(names: list[str], steps: int) -> dict | None:
     out = {}
     for name in names:
         extra = () if name in INDUCTOR_STRATEGIES else AOT_EAGER
-        run, par, losses, collectives = _train(tiny_config(STRATEGIES[name], extra=extra), steps, record=True)
+        run, par, metrics, collectives = _train(tiny_config(STRATEGIES[name], extra=extra), steps, record=True)
         full = {path: t.detach().clone() for path, t in tree.items(run.full_params())}
-        out[name] = {"losses": losses, "params": full, "graphs": counters["stats"]["unique_graphs"],
+        out[name] = {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
+                     "params": full, "graphs": counters["stats"]["unique_graphs"],
                      "collectives": collectives, "n_params": len(par.layouts),
                      "local_numels": [lay.local_numel("grad") for lay in par.layouts],
                      "zero_dims": [lay.zero_dim for lay in par.layouts]}
@@ -78,9 +79,10 @@ def four_ranks(steps: int) -> dict | None:
     """dp2 x tp2 with sequence parallelism and ZeRO-1, on the tiny Llama (GQA, RoPE)."""
     cfg = tiny_config(dict(mesh="dp=2,tp=2", rules="zero1", sequence_parallel=True), model="tiny_llama",
                       extra=AOT_EAGER)
-    run, _, losses, collectives = _train(cfg, steps, record=True)
+    run, _, metrics, collectives = _train(cfg, steps, record=True)
     full = {path: t.detach().clone() for path, t in tree.items(run.full_params())}
-    result = {"losses": losses, "params": full, "graphs": counters["stats"]["unique_graphs"],
+    result = {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
+              "params": full, "graphs": counters["stats"]["unique_graphs"],
               "collectives": collectives}
     return result if torch.distributed.get_rank() == 0 else None
 
@@ -194,13 +196,26 @@ def precision_variants(steps: int) -> dict | None:
     return out if torch.distributed.get_rank() == 0 else None
 
 
-def bert_mlm(parallel: dict, steps: int) -> dict | None:
-    """Masked-LM steps of the tiny BERT on a mesh, eagerly."""
-    cfg = override(load(ROOT / "configs" / "tiny_bert.py"), ["train.compile=false", "train.device=cpu",
-                                                              "train.micro_batch_size=4"])
-    cfg = dataclasses.replace(cfg, parallel=ParallelConfig(bucket_size=BUCKET, **parallel))
-    par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
-    run = Run(cfg, par, device)
-    losses = [run.do_step()["loss"] for _ in range(steps)]
-    valid = run.evaluate()  # every rank takes part
-    return {"losses": losses, "valid": valid} if torch.distributed.get_rank() == 0 else None
+# The tiny BERT with four blocks (interleaved pipelines need a stage per virtual rank) and
+# micro batches of 2: four per step on one data rank, two on each of two.
+BERT_EXTRA = ("train.compile=false", "train.device=cpu", "model.n_layers=4", "train.micro_batch_size=2")
+
+
+def bert_config(parallel: dict | None = None):
+    cfg = override(load(ROOT / "configs" / "tiny_bert.py"), list(BERT_EXTRA))
+    return cfg if parallel is None else dataclasses.replace(cfg, parallel=ParallelConfig(bucket_size=BUCKET,
+                                                                                         **parallel))
+
+
+def bert_mlm(runs: dict[str, dict], steps: int) -> dict | None:
+    """Masked-LM steps of the tiny BERT on each mesh of ``runs`` (name -> parallel config),
+    eagerly, in one process group: per run the losses, gradient norms and validation loss."""
+    out = {}
+    for name, parallel in runs.items():
+        cfg = bert_config(parallel)
+        par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
+        run = Run(cfg, par, device)
+        metrics = [run.do_step() for _ in range(steps)]
+        out[name] = {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
+                     "valid": run.evaluate()}  # every rank takes part
+    return out if torch.distributed.get_rank() == 0 else None

@@ -16,6 +16,7 @@ from fxmega.sharding.collectives import buckets
 from fxmega.train import Run
 from tests.multirank import run_ranks
 from tests.sharding_workers import BUCKET, MEMORY_ENV, STRATEGIES, tiny_config
+from tests.tolerance import assert_losses_match, assert_within_rounding
 
 STEPS = 5
 
@@ -23,8 +24,8 @@ STEPS = 5
 @pytest.fixture(scope="module")
 def reference():
     run = Run(tiny_config(compile=False))
-    losses = [run.do_step()["loss"] for _ in range(STEPS)]
-    return losses, {p: t.detach() for p, t in tree.items(run.params)}
+    metrics = [run.do_step() for _ in range(STEPS)]
+    return metrics, {p: t.detach() for p, t in tree.items(run.params)}
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +39,15 @@ def _unpad(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_strategy_matches_single_device(results, reference, name):
-    ref_losses, ref_params = reference
+    ref_metrics, ref_params = reference
     r = results[name]
-    torch.testing.assert_close(r["losses"], ref_losses, rtol=1e-5, atol=0)
+    # the mesh sums in other orders; the gradient norm shows a wrong gradient scale AdamW hides
+    assert_losses_match(r["losses"], [m["loss"] for m in ref_metrics], tiny_config(), f"{name} loss")
+    assert_losses_match(r["grad_norms"], [m["grad_norm"] for m in ref_metrics], tiny_config(), f"{name} grad norm")
     for path, ref in ref_params.items():
-        # fp32 AdamW noise after a few steps is ~1e-5 here; see DESIGN.md on why not tighter
+        # not a rounding bound: AdamW turns rounding-level differences of near-zero gradients
+        # into steps of up to lr (3e-3), and 5 fp32 steps sit ~1.5e-4 from the same run in
+        # float64; the loss and the gradient norm above are the tight checks
         torch.testing.assert_close(_unpad(r["params"][path], ref), ref, rtol=0, atol=5e-4, msg=path)
     padded = r["params"]["embed.tokens"]
     if name.startswith("tp"):
@@ -69,6 +74,7 @@ def _n_buckets(r, which) -> int:
     return len(buckets(numels, BUCKET))
 
 
+@pytest.mark.slow
 def test_data_parallel_reduces_gradients_per_bucket_not_per_parameter(results):
     r = results["dp2"]
     n_buckets = _n_buckets(r, [True] * r["n_params"])
@@ -77,6 +83,7 @@ def test_data_parallel_reduces_gradients_per_bucket_not_per_parameter(results):
     assert _scalars(r) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["zero1", "zero2"])
 def test_zero12_reduce_scatter_gradients_and_all_gather_parameters(results, name):
     r = results[name]
@@ -88,6 +95,7 @@ def test_zero12_reduce_scatter_gradients_and_all_gather_parameters(results, name
     assert _scalars(r) == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,axis", [("zero3", "dp"), ("fsdp2", "fsdp")])
 def test_zero3_gathers_each_piece_forward_and_backward(results, name, axis):
     r = results[name]
@@ -99,11 +107,13 @@ def test_zero3_gathers_each_piece_forward_and_backward(results, name, axis):
     assert _scalars(r) == 2
 
 
+@pytest.mark.slow
 def test_plain_tensor_parallel_never_gathers(results):
     ops = _ops(results["tp2"], "tp")
     assert ops["all_reduce"] > 0 and ops["all_gather_into_tensor"] == 0 and ops["reduce_scatter_tensor"] == 0
 
 
+@pytest.mark.slow
 def test_sequence_parallel_gathers_only_activations(results):
     r = results["tp2_sp"]
     ops = _ops(r, "tp")
@@ -115,12 +125,14 @@ def test_sequence_parallel_gathers_only_activations(results):
     assert gathered == {(4, 16, 64), (16, 64)}, gathered
 
 
+@pytest.mark.slow
 def test_dp2_tp2_four_ranks_match_single_device(reference):
     # tiny Llama here (GQA, RoPE), with sequence parallelism and ZeRO-1
     run = Run(tiny_config(compile=False, model="tiny_llama"))
-    ref = [run.do_step()["loss"] for _ in range(STEPS)]
+    ref = [run.do_step() for _ in range(STEPS)]
     r = run_ranks(4, "tests.sharding_workers:four_ranks", STEPS)[0]
-    torch.testing.assert_close(r["losses"], ref, rtol=1e-5, atol=0)
+    assert_losses_match(r["losses"], [m["loss"] for m in ref], run.cfg, "dp2 x tp2 loss")
+    assert_losses_match(r["grad_norms"], [m["grad_norm"] for m in ref], run.cfg, "dp2 x tp2 grad norm")
     for path, p in tree.items(run.params):
         torch.testing.assert_close(_unpad(r["params"][path], p), p.detach(), rtol=0, atol=5e-4, msg=path)
     assert r["graphs"] == 1
@@ -128,6 +140,7 @@ def test_dp2_tp2_four_ranks_match_single_device(reference):
     assert groups["tp"] > 0 and groups["dp"] > 0
 
 
+@pytest.mark.slow
 def test_sharded_init_is_the_slice_of_the_full_init():
     from fxmega.init import init_params
     from fxmega.models import gpt
@@ -152,6 +165,7 @@ def test_sharded_init_is_the_slice_of_the_full_init():
                 assert torch.equal(_unpad(case["roundtrip"][path], full[path]), full[path]), path
 
 
+@pytest.mark.slow
 def test_vocab_parallel_cross_entropy_equals_reference():
     vocab = 11
     per_rank = run_ranks(2, "tests.sharding_workers:vocab_parallel_cross_entropy", vocab)
@@ -159,12 +173,16 @@ def test_vocab_parallel_cross_entropy_equals_reference():
     ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), per_rank[0]["targets"].flatten(), reduction="sum")
     ref.backward()
     grad = torch.cat([r["grad"] for r in per_rank], dim=-1)
+    # a log-sum-exp over the vocabulary split in two (each half's sum, then the two), summed
+    # over the positions: one order against torch's; the gradient is elementwise after that
+    lengths = (vocab, logits[..., 0].numel())
     for r in per_rank:
-        torch.testing.assert_close(r["loss"], ref.detach(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(grad[..., :vocab], logits.grad, rtol=1e-6, atol=1e-7)
+        assert_within_rounding(r["loss"], ref, lengths, what="loss")
+    assert_within_rounding(grad[..., :vocab], logits.grad, lengths, scale=1.0, what="dlogits")  # |p - y| <= 1
     assert torch.all(grad[..., vocab:] == 0)
 
 
+@pytest.mark.slow
 def test_zero3_peak_memory_is_below_zero2():
     mib = 2**20
     r = {}
@@ -182,6 +200,7 @@ def test_zero3_peak_memory_is_below_zero2():
     assert r["zero3"]["step"] < r["zero2"]["step"]
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_resumes_bit_identically(tmp_path):
     r = run_ranks(2, "tests.sharding_workers:resume", str(tmp_path / "ckpt"), 3)[0]
     assert r["got"] == r["expected"] and r["params_equal"]

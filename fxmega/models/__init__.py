@@ -78,6 +78,14 @@ def mlm_loss_sum(params: dict, inputs: torch.Tensor, cfg: object, token_types: t
                                     vocab_size=cfg.vocab_size)
 
 
+def loss_by_pieces(cfg: object, compute: Any = None) -> Callable[[dict, dict, PieceCall, dict], torch.Tensor]:
+    """``lm_loss_sum`` for ``cfg`` as a function of ``(params, batch, call, layouts)``: what a
+    sharding runtime runs without knowing the model (``Parallel.loss_sum_fn``)."""
+    def run(params: dict, batch: dict, call: PieceCall, layouts: dict) -> torch.Tensor:
+        return lm_loss_sum(params, batch, cfg, call=call, layouts=layouts, compute=compute)
+    return run
+
+
 def lm_loss_sum(params: dict, batch: dict[str, torch.Tensor], cfg: object, call: PieceCall | None = None,
                 layouts: dict | None = None, compute: Any = None) -> torch.Tensor:
     """Summed next-token cross-entropy of ``batch`` (``inputs``, ``targets``, optional

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fxmega import layers
+from fxmega import layers, objectives
 from fxmega.errors import ConfigError
 from fxmega.models.checks import require_heads_divide, require_positive
 from fxmega.sharding.layout import local, shard
@@ -108,6 +108,13 @@ def param_specs(cfg: Config) -> dict:
 # the word embedding).
 EMBED_PARAMS = ("embed",)
 HEAD_PARAMS = ("mlm", "embed")
+# What ``embed`` reads from a batch besides the tokens, in its argument order.
+EMBED_INPUTS: tuple[str, ...] = ("token_types",)
+
+
+def objective(cfg: Config) -> objectives.Objective:
+    """Pre-training: masked-token cross-entropy over the positions ``loss_mask`` marks."""
+    return objectives.masked_lm(cfg.vocab_size)
 
 # Inside attention the sequence is whole (None): batch and heads may be split.
 _QKV_AXES = ("batch", None, "heads", "head_dim")

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxmega import layers
+from fxmega import layers, objectives
 from fxmega.errors import ConfigError
 from fxmega.models.checks import require_heads_divide, require_positive
 from fxmega.sharding.layout import shard
@@ -89,6 +89,14 @@ def param_specs(cfg: Config) -> dict:
 # token embedding).
 EMBED_PARAMS = ("embed",)
 HEAD_PARAMS = ("final_norm", "embed")
+# What the embedding reads from a batch besides the tokens (a pipeline's first stage gets
+# them stacked with the tokens): nothing.
+EMBED_INPUTS: tuple[str, ...] = ()
+
+
+def objective(cfg: Config) -> objectives.Objective:
+    """What this family trains for: next-token cross-entropy over the vocabulary."""
+    return objectives.causal_lm(cfg.vocab_size)
 
 
 def attention(p: dict, x: torch.Tensor, valid: torch.Tensor | None = None, cache: layers.KV | None = None,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxmega import layers
+from fxmega import layers, objectives
 from fxmega.errors import ConfigError
 from fxmega.models.checks import require_positive
 from fxmega.sharding.layout import shard
@@ -96,6 +96,14 @@ def param_specs(cfg: Config) -> dict:
 # Top-level parameter groups read by ``embed`` and by ``head``.
 EMBED_PARAMS = ("embed",)
 HEAD_PARAMS = ("final_norm", "head")
+# What the embedding reads from a batch besides the tokens (a pipeline's first stage gets
+# them stacked with the tokens): nothing.
+EMBED_INPUTS: tuple[str, ...] = ()
+
+
+def objective(cfg: Config) -> objectives.Objective:
+    """What this family trains for: next-token cross-entropy over the vocabulary."""
+    return objectives.causal_lm(cfg.vocab_size)
 
 
 def attention(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,

@@ -25,8 +25,16 @@ import torch.distributed as dist
 
 from fxmega import tree
 from fxmega.errors import ConfigError
+from fxmega.models import loss_by_pieces, model_for
+from fxmega.optim import AdamWHyper, decay_mask
+from fxmega.pipeline_step import PipelineStep
+from fxmega.precision import compute_dtype
+from fxmega.sharding.distributed import local_specs
 from fxmega.sharding.inspect import Collective, record_collectives
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh
+from fxmega.sharding.runtime import Parallel
+from fxmega.sharding.strategy import plan_from
+from fxmega.step import TrainStep
 
 
 @contextlib.contextmanager
@@ -48,11 +56,6 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
 def fake_parallel(cfg: Any, rank: int) -> Any:
     """This rank's ``Parallel`` on the fake process group (as ``distributed.setup`` builds it
     in a real run, without printing)."""
-    from fxmega.models import model_for
-    from fxmega.sharding.distributed import local_specs
-    from fxmega.sharding.runtime import Parallel
-    from fxmega.sharding.strategy import plan_from
-
     mesh = MeshSpec.parse(cfg.parallel.mesh)
     model = model_for(cfg.model)
     plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
@@ -108,7 +111,6 @@ def trace_rank_step(cfg: Any, par: Any) -> RankTrace:
     micro batches runs the accumulation graph n - 1 times). With pp, the rank's stages are
     traced for one micro batch each, forward and backward; the schedule's sends and the
     update are not in the trace."""
-    from fxmega.optim import AdamWHyper, decay_mask
 
     start = time.perf_counter()
     params = meta_params(par)
@@ -122,10 +124,9 @@ def trace_rank_step(cfg: Any, par: Any) -> RankTrace:
              "targets": torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta")}
     with record_collectives() as graphs:
         if par.plan.pipeline is None:
-            from fxmega.step import TrainStep
-
-            step = TrainStep(par.loss_sum_fn(cfg.model), decay, hyper, cfg.optim.clip_grad, compile=True,
-                             parallel=par, backend="aot_eager")
+            loss_sum = par.loss_sum_fn(loss_by_pieces(cfg.model, par.compute))
+            step = TrainStep(loss_sum, decay, hyper, cfg.optim.clip_grad, compile=True, parallel=par,
+                             backend="aot_eager")
             step(params, opt, [batch], 1e-4, n_tokens=torch.tensor(float(batch["targets"].numel())))
         else:
             _trace_stages(cfg, par, params, decay, hyper, batch)
@@ -133,18 +134,15 @@ def trace_rank_step(cfg: Any, par: Any) -> RankTrace:
 
 
 def _trace_stages(cfg: Any, par: Any, params: tree.Tree, decay: list, hyper: Any, batch: dict) -> None:
-    from fxmega.models import model_for
-    from fxmega.pipeline_step import PipelineStep
-
     params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), params)
     n_micro = max(cfg.grad_accum_steps(par.data_size), par.plan.pipeline.pp)
-    step = PipelineStep(par, cfg.model, model_for(cfg.model), params, decay, hyper, cfg.optim.clip_grad, n_micro,
-                        True, torch.device("meta"), backend="aot_eager")
-    from fxmega.precision import compute_dtype
-
+    model = model_for(cfg.model)
+    step = PipelineStep(par, cfg.model, model, model.objective(cfg.model), params, decay, hyper,
+                        cfg.optim.clip_grad, n_micro, True, torch.device("meta"), backend="aot_eager")
+    first_batch = {**batch, **{k: batch["inputs"] for k in model.EMBED_INPUTS}}  # e.g. BERT's token types
     for stage in step.stages:  # a later stage reads the residual stream in the compute dtype
         first = stage.stage_index == 0
-        x = batch["inputs"] if first else torch.zeros(
+        x = step._first_input([first_batch]) if first else torch.zeros(
             (*batch["inputs"].shape, cfg.model.d_model), dtype=compute_dtype(cfg.compute.precision), device="meta",
             requires_grad=True)
         out = stage.submod(x)

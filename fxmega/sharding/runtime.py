@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,13 +28,20 @@ from torch.distributed.tensor.experimental import local_map
 
 from fxmega import precision, tree
 from fxmega.init import init_tensor
-from fxmega.models import lm_loss_sum
 from fxmega.recompute import checkpointed
 from fxmega.sharding import collectives, layout
 from fxmega.sharding.mesh import DATA_AXES, PHYSICAL_ORDER
 from fxmega.sharding.plan import ParamLayout, ShardingPlan
 from fxmega.sharding.zero3 import gathered_call
 
+
+class PiecewiseLoss(Protocol):
+    """A model's summed loss over a batch, run piece by piece through ``call`` (see
+    ``Parallel._call``) with the pieces' ``layouts``; the runtime never names the model or
+    the objective, it is handed this."""
+
+    def __call__(self, params: dict, batch: dict[str, torch.Tensor], call: Callable[..., torch.Tensor],
+                 layouts: dict) -> torch.Tensor: ...
 
 class Parallel:
     """This rank's part of a sharded run: built once per process from the plan and the
@@ -203,9 +210,10 @@ class Parallel:
         return gathered_call(fn, leaves, dims, world, group, rebuild, *args, regather=self.regather,
                              recompute=recompute, dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
 
-    def loss_sum_fn(self, cfg: Any) -> Callable[[list[torch.Tensor], dict], torch.Tensor]:
+    def loss_sum_fn(self, model_loss: PiecewiseLoss) -> Callable[[list[torch.Tensor], dict], torch.Tensor]:
         """``(flat local params, local batch) -> this data rank's summed loss`` (a plain
-        tensor), for ``fxmega.step``."""
+        tensor), for ``fxmega.step``: ``model_loss`` run with this rank's parameter tree,
+        its piece call (cast, ZeRO-3 gather, recompute) and its layouts."""
 
         def loss_sum(flat: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
             params = tree.unflatten_like(self.layout_tree, flat)
@@ -213,7 +221,7 @@ class Parallel:
                 batch = {k: DTensor.from_local(v, self.tp_mesh, [Replicate()], run_check=False)
                          for k, v in batch.items()}
             with layout.activate(self if self.tp_mesh is not None else None):
-                loss = lm_loss_sum(params, batch, cfg, call=self._call, layouts=self.layout_tree, compute=self.compute)
+                loss = model_loss(params, batch, self._call, self.layout_tree)
             if isinstance(loss, DTensor):  # may still be a partial sum over tp: reduce it
                 loss = loss.redistribute(self.tp_mesh, [Replicate()]).to_local()
             return loss

@@ -1,0 +1,79 @@
+"""Training objectives: what a step minimises, as an argument rather than a code path.
+
+An objective is a function ``(outputs, batch) -> (sum, count)``: the summed loss of one
+micro batch, honouring every mask in it, and how many terms that sum has. The step divides
+the sum by the count of the whole global batch (``global_count``), in the same way on one
+device, across data ranks, across micro batches and on a pipeline's last stage, so a loss
+never depends on how the batch was split.
+
+``batch_keys`` names what the objective reads from the batch besides the model's outputs;
+a pipeline carries exactly those to its last stage. A term is counted when its
+``loss_mask`` is non-zero (every target when the batch has no mask): padding, unmasked
+MLM positions and padded classification rows are out of both the sum and the count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from fxmega import layers
+
+Batch = Mapping[str, torch.Tensor]
+
+
+class Objective(Protocol):
+    """What the step calls; see the module docstring."""
+
+    name: str
+    batch_keys: tuple[str, ...]
+
+    def __call__(self, outputs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def count(batch: Batch) -> torch.Tensor:
+    """The number of loss terms in ``batch``: the sum of ``loss_mask``, else every target."""
+    mask = batch.get("loss_mask")
+    if mask is not None:  # float64: a 0/1 sum stays exact past float32's 2**24
+        return mask.detach().double().sum()
+    return torch.tensor(float(batch["targets"].numel()), dtype=torch.float64)
+
+
+def global_count(micro_batches: Sequence[Batch]) -> torch.Tensor:
+    """The loss-term count of a whole global batch (or of what ``micro_batches`` hold), on
+    the host: the divisor of every micro batch's summed loss."""
+    return torch.stack([count(b).cpu() for b in micro_batches]).sum().to(torch.float32)
+
+
+@dataclass(frozen=True)
+class CrossEntropy:
+    """Summed cross-entropy of ``outputs [..., V]`` (logits; vocab-parallel under tensor
+    parallelism) against ``batch["targets"] [...]``, weighted by ``batch["loss_mask"]`` where
+    the batch has one. Columns from ``n_classes`` on (tensor-parallel padding of the
+    vocabulary) are out of the softmax."""
+
+    name: str
+    n_classes: int
+    batch_keys: tuple[str, ...] = ("targets", "loss_mask")
+
+    def __call__(self, outputs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = layers.cross_entropy_sum(outputs, batch["targets"], batch.get("loss_mask"), vocab_size=self.n_classes)
+        return loss, count(batch)
+
+
+def causal_lm(vocab_size: int) -> CrossEntropy:
+    """Next-token prediction: ``targets`` are the inputs shifted by one."""
+    return CrossEntropy("causal-lm", vocab_size)
+
+
+def masked_lm(vocab_size: int) -> CrossEntropy:
+    """Masked-token prediction (BERT): ``loss_mask`` marks the masked positions."""
+    return CrossEntropy("masked-lm", vocab_size)
+
+
+def classification(n_classes: int) -> CrossEntropy:
+    """One label per sequence: ``targets [B]``, ``loss_mask [B]`` leaves padded rows out."""
+    return CrossEntropy("classification", n_classes)
