@@ -142,9 +142,11 @@ def _read_index(path: Path) -> SampleIndex:
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
         raise DataError(f"the cached sample index {path} is unreadable ({type(e).__name__}: {e}); delete it and "
                         f"the run builds it again") from None
-    if any(a.ndim != 1 or a.dtype.kind not in "iu" for a in arrays):
-        raise DataError(f"the cached sample index {path} does not hold three integer vectors; delete it and the "
-                        f"run builds it again")
+    order, starts, shuffle = arrays
+    shapes_ok = order.ndim == 1 and shuffle.ndim == 1 and starts.ndim == 2 and starts.shape[1] == 2
+    if not shapes_ok or any(a.dtype.kind not in "iu" for a in arrays):
+        raise DataError(f"the cached sample index {path} does not hold integer arrays order [n], starts [n + 1, 2] "
+                        f"and shuffle [n]; delete it and the run builds it again")
     return SampleIndex(*arrays)
 
 
