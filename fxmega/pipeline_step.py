@@ -31,11 +31,12 @@ from torch.distributed.tensor import DTensor, Replicate
 from fxmega import tree
 from fxmega.errors import ConfigError
 from fxmega.objectives import Objective, global_count
-from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms
+from fxmega.optim import AdamWHyper
 from fxmega.recompute import mode_for_block
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import SCHEDULES, SPLIT_BACKWARD, Stage, check_microbatches
 from fxmega.step import compiled
+from fxmega.update import Update
 
 RESIDUAL = ("batch", "seq", "embed")
 LOGITS = ("batch", None, "vocab")
@@ -78,7 +79,7 @@ class PipelineStep:
         self.par, self.cfg, self.model, self.objective, self.pipe = par, cfg, model, objective, pipe
         self._embed_inputs = tuple(getattr(model, "EMBED_INPUTS", ()))
         self._target_keys: list[tuple[str, torch.dtype]] = []  # what the packed target holds, in order
-        self.decay, self.hyper, self.clip_grad, self.device = decay, hyper, clip_grad, device
+        self.update, self.device = Update(hyper, decay, clip_grad), device
         self.flat = tree.leaves(params)
         self.compiled = compile
         compute = par.compute
@@ -203,19 +204,7 @@ class PipelineStep:
     # -- one optimizer step -----------------------------------------------------------
     def _update_fn(self, flat: list[torch.Tensor], grads: list[torch.Tensor], opt_state: dict, lr: torch.Tensor,
                    norm_weights: torch.Tensor, unscale: torch.Tensor | None) -> list[torch.Tensor]:
-        par = self.par
-        with torch.no_grad():
-            grads = par.final_grads(grads)
-            grads = self._sum_shared(grads)
-            if unscale is not None:  # fp16: the gradients of the scaled loss, back to true size
-                grads = torch._foreach_mul(grads, unscale)
-            targets = par.opt_views(flat)
-            norms = per_tensor_norms(grads)
-            grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights, par.sum_over_world, norms)
-            finite = torch.isfinite(grad_norm)  # not finite: the update is not applied
-            adamw_update(targets, grads, opt_state, lr, self.hyper, self.decay, apply=finite.float())
-            par.refresh_params(flat, targets)
-        return [grad_norm, finite, ~torch.isfinite(norms)]
+        return self.update(flat, grads, opt_state, lr, self.par, norm_weights, unscale, self._sum_shared)
 
     def _sum_shared(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         if not self._shared:

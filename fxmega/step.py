@@ -26,8 +26,9 @@ import torch._dynamo
 
 from fxmega import tree
 from fxmega.objectives import global_count
-from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms
+from fxmega.optim import AdamWHyper
 from fxmega.sharding.zero3 import backward_phase
+from fxmega.update import Update
 
 LossSumFn = Callable[[list[torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]
 
@@ -74,9 +75,7 @@ class TrainStep:
                  compile: bool = True, parallel: Any = None, backend: str = "inductor",
                  options: dict | None = None) -> None:
         self.loss_sum_fn = loss_sum_fn
-        self.decay = decay
-        self.hyper = hyper
-        self.clip_grad = clip_grad
+        self.update = Update(hyper, decay, clip_grad)
         self.parallel = parallel
         self.compiled = compile
         self._accum_buffers: list[torch.Tensor] | None = None
@@ -116,22 +115,9 @@ class TrainStep:
             if accum is not None:
                 torch._foreach_add_(accum, grads)
                 grads = accum
-            targets = flat_params
             if par is not None:
-                grads = par.final_grads(grads)
-                targets = par.opt_views(flat_params)
                 loss_sum = par.sum_over_data(loss_sum)
-            if unscale is not None:  # fp16: the gradients of the scaled loss, back to true size
-                grads = torch._foreach_mul(grads, unscale)
-            norms = per_tensor_norms(grads)
-            grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights,
-                                             par.sum_over_world if par is not None else None, norms)
-            # a step whose gradients are not finite anywhere is not applied (see train.nonfinite)
-            finite = torch.isfinite(grad_norm)
-            adamw_update(targets, grads, opt_state, lr, self.hyper, self.decay, apply=finite.float())
-            if par is not None:
-                par.refresh_params(flat_params, targets)
-        return [loss_sum, grad_norm, finite, ~torch.isfinite(norms)]
+        return [loss_sum, *self.update(flat_params, grads, opt_state, lr, par, norm_weights, unscale)]
 
     # -- one optimizer step -----------------------------------------------------------
     def __call__(self, params: tree.Tree, opt_state: dict, micro_batches: list[dict[str, torch.Tensor]],

@@ -1,0 +1,59 @@
+"""The one optimizer update every step kind ends with, pipelined or not, inside its compiled
+graph: gradients reduced over the data axes (ZeRO: reduce-scattered to this rank's
+optimizer shard), the copies of a parameter held by several pipeline ranks summed (the
+tied embedding on the first and last stage), the fp16 loss scale undone, the global norm
+clipped, and AdamW applied only where every gradient on every rank is finite — a step with
+a non-finite gradient leaves parameters, moments and step count as they were.
+
+The caller computes the gradients (``fxmega.step``: ``autograd.grad`` in the same graph;
+``fxmega.pipeline_step``: torch's pipeline schedule) and hands them here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms
+
+Grads = list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Update:
+    """AdamW with its hyper-parameters, weight-decay mask (per flat parameter) and the
+    global-norm clip (0: none)."""
+
+    hyper: AdamWHyper
+    decay: list[bool]
+    clip_grad: float
+
+    def __call__(self, flat: list[torch.Tensor], grads: Grads, opt_state: dict, lr: torch.Tensor,
+                 parallel: Any = None, norm_weights: torch.Tensor | None = None, unscale: torch.Tensor | None = None,
+                 reduce_shared: Callable[[Grads], Grads] | None = None) -> list[torch.Tensor]:
+        """Update ``flat`` (this rank's parameters) and ``opt_state`` in place from ``grads``
+        (this rank's, not yet reduced). ``parallel``: the rank's ``Parallel`` (None on one
+        device); ``norm_weights``: how much each local gradient counts in the global norm
+        (a replicated tensor once, a shard once per shard); ``unscale``: 1 / the fp16 loss
+        scale; ``reduce_shared``: sums the gradients of parameters several pipeline ranks
+        hold. Returns ``[grad_norm, finite, nonfinite flag per gradient]``."""
+        with torch.no_grad():
+            targets = flat
+            if parallel is not None:
+                grads = parallel.final_grads(grads)
+                targets = parallel.opt_views(flat)
+            if reduce_shared is not None:
+                grads = reduce_shared(grads)
+            if unscale is not None:  # fp16: the gradients of the scaled loss, back to true size
+                grads = torch._foreach_mul(grads, unscale)
+            norms = per_tensor_norms(grads)
+            grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights,
+                                             parallel.sum_over_world if parallel is not None else None, norms)
+            finite = torch.isfinite(grad_norm)  # not finite anywhere: the update is not applied
+            adamw_update(targets, grads, opt_state, lr, self.hyper, self.decay, apply=finite.float())
+            if parallel is not None:
+                parallel.refresh_params(flat, targets)
+        return [grad_norm, finite, ~torch.isfinite(norms)]
