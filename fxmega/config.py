@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from fxmega.errors import ConfigError
-from fxmega.models import bert, gpt, llama
+from fxmega.models import family_name, model_for
+from fxmega.models.registry import ModelConfig
 
 # torch.compile backends a run may use: inductor generates fused kernels; aot_eager traces
 # the same forward+backward graph (collectives included) and runs it op by op, which
@@ -130,9 +131,6 @@ class ComputeConfig:
     loss_chunk: int = 0  # tokens per cross-entropy chunk: fp32 logits exist for one chunk at a time; 0: whole batch
 
 
-ModelConfig = gpt.Config | llama.Config | bert.Config
-
-
 @dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig
@@ -171,8 +169,6 @@ def load(path: str | Path) -> RunConfig:
 
 def to_dict(cfg: RunConfig) -> dict[str, Any]:
     """Plain dict of the config (for logs and checkpoints), with the model family named."""
-    from fxmega.models import family_name
-
     out = dataclasses.asdict(cfg)
     out["model"]["family"] = family_name(cfg.model)
     return out
@@ -270,8 +266,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 def _validate(cfg: RunConfig, dp: int | None) -> None:
-    if not isinstance(cfg.model, (gpt.Config, llama.Config, bert.Config)):
-        raise ConfigError(f"model must be a gpt.Config, llama.Config or bert.Config, got {type(cfg.model).__name__}")
+    model_for(cfg.model)  # the Config of a registered family, or a ConfigError naming those there are
     cfg.model.validate("model")
     t, o, d = cfg.train, cfg.optim, cfg.data
     for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len", "eval_iters", "log_interval"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -27,8 +27,11 @@ from fxmega.data.tokenizer import build_tokenizer
 from fxmega.errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from fxmega.init import init_params
 from fxmega.models import bert, family_name, model_for
+from fxmega.models.pieces import run_pieces
+from fxmega.models.registry import ModelFamily
 from fxmega.objectives import global_count
 from fxmega.optim import AdamWHyper, adamw_init, decay_mask
+from fxmega.recompute import plain_call
 from fxmega.schedules import lr_at
 from fxmega.spec import ZEROS, ParamSpec, normal
 from fxmega.step import TrainStep, compiled, trainable
@@ -53,23 +56,21 @@ def backbone_specs(model_cfg: Any) -> dict:
     return {k: v for k, v in model.param_specs(model_cfg).items() if k in keep}
 
 
-def pooled(model: ModuleType, params: dict, batch: Batch, cfg: Any) -> torch.Tensor:
+def pooled(model: ModelFamily, params: dict, batch: Batch, cfg: Any) -> torch.Tensor:
     """One ``[batch, d_model]`` vector per row of ``batch["inputs"]`` (right-padded; see
     the module docstring for what each family pools)."""
     mask = batch.get("attention_mask")
+    inputs = [batch[k] for k in model.EMBED_INPUTS if k in batch]
+    x = run_pieces(model, params, params, batch["inputs"], cfg, plain_call, head=False, inputs=inputs, valid=mask)
     if model is bert:
-        hidden = bert.forward(params, batch["inputs"], cfg, batch.get("token_types"), mask)
-        return bert.pooler_output(params, hidden, cfg) if cfg.pooler else hidden[:, 0]
-    x = model.embed(params, batch["inputs"], cfg)
-    for p in params["blocks"]:
-        x = model.block(p, x, cfg, mask)
+        return bert.pooler_output(params, x, cfg) if cfg.pooler else x[:, 0]
     rows = torch.arange(x.shape[0], device=x.device)
     last = (mask.sum(dim=1) - 1).clamp(min=0) if mask is not None else torch.full_like(rows, x.shape[1] - 1)
     # the final norm is per token: normalising only the gathered rows gives the same vectors
     return model.final_hidden(params, x[rows, last][:, None], cfg)[:, 0]
 
 
-def classify(model: ModuleType, params: dict, batch: Batch, cfg: Any) -> torch.Tensor:
+def classify(model: ModelFamily, params: dict, batch: Batch, cfg: Any) -> torch.Tensor:
     """Logits ``[batch, n_classes]``, in fp32."""
     head = params["classifier"]
     return layers.linear(pooled(model, params, batch, cfg), head["w"], head["b"]).float()

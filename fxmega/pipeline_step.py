@@ -30,9 +30,9 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fxmega import tree
 from fxmega.errors import ConfigError
+from fxmega.models.pieces import run_pieces
 from fxmega.objectives import Objective, global_count
 from fxmega.optim import AdamWHyper
-from fxmega.recompute import mode_for_block
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import SCHEDULES, SPLIT_BACKWARD, Stage, check_microbatches
 from fxmega.step import compiled
@@ -82,9 +82,6 @@ class PipelineStep:
         self.update, self.device = Update(hyper, decay, clip_grad), device
         self.flat = tree.leaves(params)
         self.compiled = compile
-        compute = par.compute
-        self.recompute = compute.recompute if compute is not None else "none"
-        self.recompute_layers = compute.recompute_layers if compute is not None else 0
         self.compiled_stages = compile and pipe.schedule not in SPLIT_BACKWARD
         if compile and not self.compiled_stages and par.rank == 0:  # said, not silently done
             print(f"note: the {pipe.schedule} schedule splits each backward into input and weight gradients by "
@@ -121,28 +118,23 @@ class PipelineStep:
 
     # -- the stage function and the loss ----------------------------------------------
     def _stage_fn(self, stage: Stage, lays: dict, like: dict):
-        par, model, cfg = self.par, self.model, self.cfg
-
-        def top(groups: tuple[str, ...], t: dict) -> dict:
-            return {g: t[g] for g in groups}
+        """The stage's pieces (``run_pieces``, as every other forward) over its parameters:
+        what torch's pipeline passes between stages are local tensors, so the stage wraps
+        them as the DTensors they were under tp and unwraps its output."""
+        par = self.par
 
         def run(flat: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
             params = tree.unflatten_like(like, flat)
             with layout.activate(par if par.tp_mesh is not None else None):
+                inputs: list[torch.Tensor] = []
                 if stage.embed:  # the tokens, or [batch, 1 + len(EMBED_INPUTS), seq] with the embedding's inputs
-                    parts = [x] if not self._embed_inputs else list(x.unbind(1))
-                    parts = [self._wrap(t, None) for t in parts]
-                    x = par._call(model.embed, top(model.EMBED_PARAMS, params), top(model.EMBED_PARAMS, lays),
-                                  parts[0], cfg, *parts[1:])
+                    parts = [self._wrap(t, None) for t in ([x] if not self._embed_inputs else x.unbind(1))]
+                    x, inputs = parts[0], parts[1:]
                 else:
                     x = self._wrap(x, RESIDUAL)
-                for i in stage.blocks:
-                    x = par._call(model.block, params["blocks"][str(i)], lays["blocks"][str(i)], x, cfg,
-                                  recompute=mode_for_block(self.recompute, i, self.recompute_layers))
-                if stage.head:
-                    x = par._call(model.head, top(model.HEAD_PARAMS, params), top(model.HEAD_PARAMS, lays), x, cfg)
-                    return self._unwrap(x, LOGITS)
-                return self._unwrap(x, RESIDUAL)
+                x = run_pieces(self.model, params, lays, x, self.cfg, par._call, embed=stage.embed, head=stage.head,
+                               inputs=inputs, compute=par.compute)
+                return self._unwrap(x, LOGITS if stage.head else RESIDUAL)
 
         return run
 

@@ -51,9 +51,11 @@ def check_compute(cfg: RunConfig, parallel: Any, device: torch.device) -> None:
     honour (no silent fallback)."""
     c = cfg.compute
     kernels.check_available(c.kernels, device)
-    if family_name(cfg.model) == "bert" and (c.recompute != "none" or c.loss_chunk):
-        raise ConfigError("compute.recompute and compute.loss_chunk are not implemented for BERT yet: "
-                          "set compute.recompute=none and compute.loss_chunk=0")
+    model = model_for(cfg.model)
+    if c.loss_chunk and not (hasattr(model, "final_hidden") and hasattr(model, "output_weight")):
+        raise ConfigError(f"compute.loss_chunk={c.loss_chunk}: the {family_name(cfg.model)} head is not a final norm "
+                          f"and one output projection (final_hidden, output_weight), which the chunked loss "
+                          f"needs: set compute.loss_chunk=0")
     if not c.loss_chunk or parallel is None:
         return
     if parallel.tp > 1:

@@ -81,9 +81,15 @@ def test_hugging_face_bert_converts_and_trains(tmp_path):
     assert torch.isfinite(torch.tensor(losses)).all()
 
 
-def test_compute_options_bert_cannot_honour_are_refused():
+def test_bert_recomputes_its_blocks_and_refuses_the_chunked_loss():
+    # BERT runs as pieces (embedding, blocks, MLM head) like every family, so its blocks can
+    # be recomputed; its head (a transform, then the tied projection plus a bias) is not the
+    # final norm and one projection that the chunked loss fuses
     from fxmega.errors import ConfigError
 
-    for extra in ("compute.recompute=full", "compute.loss_chunk=16"):
-        with pytest.raises(ConfigError, match="not implemented for BERT yet"):
-            _run(extra, steps=0)
+    plain, run = _run(steps=3)
+    for mode in ("selective", "full"):
+        again, _ = _run(f"compute.recompute={mode}", steps=3)
+        assert_losses_match(again, plain, run.cfg, mode)  # the same ops, recomputed in the backward
+    with pytest.raises(ConfigError, match="compute.loss_chunk=16: the bert head is not a final norm"):
+        _run("compute.loss_chunk=16", steps=0)

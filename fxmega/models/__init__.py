@@ -1,63 +1,41 @@
-"""Model families. Each module exports ``Config``, ``param_specs(cfg)`` and
-``forward(params, tokens, cfg)``; this package finds the module for a config and holds what
-is common to all language models: the loss over a batch."""
+"""Model families. Each registers by name (``fxmega.models.registry``) and exports its
+``Config``, ``param_specs(cfg)``, its pieces (``embed``, ``block``, ``head``) and its
+objective; this package registers the built-in families and holds what is common to all of
+them: the loss over a batch, run piece by piece."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from fxmega import layers, losses, recompute
-from fxmega.models import bert, gpt, llama
+from fxmega import losses, recompute
+from fxmega.models import bert, gpt, llama, registry
+from fxmega.models.pieces import PieceCall, run_pieces, top
+from fxmega.models.registry import ModelFamily
 
-FAMILIES: dict[str, ModuleType] = {"gpt": gpt, "llama": llama, "bert": bert}
+for _name, _family in (("gpt", gpt), ("llama", llama), ("bert", bert)):
+    registry.register(_name, _family)
 
 
-def model_for(cfg: object) -> ModuleType:
-    """The model module whose ``Config`` class ``cfg`` is."""
-    for module in FAMILIES.values():
-        if type(cfg) is module.Config:
-            return module
-    raise TypeError(f"{type(cfg).__name__} is not the Config of a known model family {sorted(FAMILIES)}")
+def model_for(cfg: object) -> ModelFamily:
+    """The family whose ``Config`` class ``cfg`` is (a ConfigError for an unregistered one)."""
+    return registry.family_of(cfg)
 
 
 def family_name(cfg: object) -> str:
-    return model_for(cfg).__name__.rsplit(".", 1)[-1]
+    """The registered name of ``cfg``'s family."""
+    return registry.name_of(cfg)
 
 
-# Runs one piece of a model: ``call(piece_fn, piece_params, piece_layouts, *args, recompute=mode)``.
-PieceCall = Callable[..., torch.Tensor]
-
-
-def _top(names: tuple[str, ...], tree_: dict) -> dict:
-    return {k: tree_[k] for k in names}
-
-
-def hidden_by_pieces(model: ModuleType, params: dict, tokens: torch.Tensor, cfg: object, call: PieceCall,
+def hidden_by_pieces(model: ModelFamily, params: dict, tokens: torch.Tensor, cfg: object, call: PieceCall,
                      layouts: dict, compute: Any = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The residual stream after the last block: the embedding and each block run through
-    ``call``, which may gather the piece's parameters first (ZeRO-3) and recomputes blocks
-    as ``compute.recompute`` says. Each piece gets only the top-level parameter groups it
-    reads (``EMBED_PARAMS``), so a gathering ``call`` gathers no more than that."""
-    mode, first_n = (compute.recompute, compute.recompute_layers) if compute is not None else ("none", 0)
-    x = call(model.embed, _top(model.EMBED_PARAMS, params), _top(model.EMBED_PARAMS, layouts), tokens, cfg)
-    for i, (p, lay) in enumerate(zip(params["blocks"], layouts["blocks"])):
-        extra = () if attention_mask is None else (attention_mask,)
-        x = call(model.block, p, lay, x, cfg, *extra, recompute=recompute.mode_for_block(mode, i, first_n))
-    return x
+    """The residual stream after the last block (``run_pieces`` without the head)."""
+    return run_pieces(model, params, layouts, tokens, cfg, call, head=False, valid=attention_mask, compute=compute)
 
 
-def forward_by_pieces(model: ModuleType, params: dict, tokens: torch.Tensor, cfg: object, call: PieceCall,
-                      layouts: dict, compute: Any = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """``model.forward`` as its pieces (see ``hidden_by_pieces``), the head included."""
-    x = hidden_by_pieces(model, params, tokens, cfg, call, layouts, compute, attention_mask)
-    return call(model.head, _top(model.HEAD_PARAMS, params), _top(model.HEAD_PARAMS, layouts), x, cfg)
-
-
-def head_loss_sum(model: ModuleType) -> Callable[..., torch.Tensor]:
+def head_loss_sum(model: ModelFamily) -> Callable[..., torch.Tensor]:
     """A piece function ``(head_params, x, cfg, targets, loss_mask, chunk) -> summed loss``:
     the model's final norm, then the output projection and cross-entropy a chunk of tokens
     at a time (``fxmega.losses``), so the full logits never exist."""
@@ -67,15 +45,6 @@ def head_loss_sum(model: ModuleType) -> Callable[..., torch.Tensor]:
         return losses.chunked_cross_entropy_sum(h, model.output_weight(params), targets, loss_mask,
                                                 cfg.vocab_size, chunk)
     return run
-
-
-def mlm_loss_sum(params: dict, inputs: torch.Tensor, cfg: object, token_types: torch.Tensor | None,
-                 attention_mask: torch.Tensor | None, targets: torch.Tensor,
-                 loss_mask: torch.Tensor | None) -> torch.Tensor:
-    """BERT's masked-LM loss: summed cross-entropy over the masked positions."""
-    hidden = bert.forward(params, inputs, cfg, token_types, attention_mask)
-    return layers.cross_entropy_sum(bert.mlm_logits(params, hidden, cfg), targets, loss_mask,
-                                    vocab_size=cfg.vocab_size)
 
 
 def loss_by_pieces(cfg: object, compute: Any = None) -> Callable[[dict, dict, PieceCall, dict], torch.Tensor]:
@@ -88,29 +57,23 @@ def loss_by_pieces(cfg: object, compute: Any = None) -> Callable[[dict, dict, Pi
 
 def lm_loss_sum(params: dict, batch: dict[str, torch.Tensor], cfg: object, call: PieceCall | None = None,
                 layouts: dict | None = None, compute: Any = None) -> torch.Tensor:
-    """Summed next-token cross-entropy of ``batch`` (``inputs``, ``targets``, optional
-    ``loss_mask``, and ``attention_mask`` for padded batches). Callers divide by the token
-    count of the whole global batch.
+    """The family's objective summed over ``batch``: the model run piece by piece
+    (``run_pieces``: the embedding with the family's ``EMBED_INPUTS`` from the batch, every
+    block with the batch's ``attention_mask``), then the objective on the head's outputs
+    (``loss_mask`` honoured). Callers divide by the loss-term count of the whole global batch.
 
-    With ``call`` the model runs piece by piece (see ``hidden_by_pieces``); ``compute`` (a
-    ``ComputeConfig``) adds block recompute and the chunked loss (``loss_chunk``)."""
+    ``call`` runs each piece (``Parallel._call`` on a mesh; ``recompute.plain_call`` when
+    None); ``compute`` (a ``ComputeConfig``) adds block recompute and the chunked loss
+    (``loss_chunk``: the head and the cross-entropy a chunk of tokens at a time)."""
     model = model_for(cfg)
-    if model is bert:  # masked LM; the whole model is one piece (one ZeRO-3 gather); no recompute
-        args = (batch["inputs"], cfg, batch.get("token_types"), batch.get("attention_mask"), batch["targets"],
-                batch.get("loss_mask"))
-        if call is None:
-            return mlm_loss_sum(params, *args)
-        return call(mlm_loss_sum, params, layouts, *args)
     if call is None:
-        if compute is None or (compute.recompute == "none" and not compute.loss_chunk):
-            logits = model.forward(params, batch["inputs"], cfg, batch.get("attention_mask"))
-            return layers.cross_entropy_sum(logits, batch["targets"], batch.get("loss_mask"),
-                                            vocab_size=cfg.vocab_size)
         call, layouts = recompute.plain_call, params
-    x = hidden_by_pieces(model, params, batch["inputs"], cfg, call, layouts, compute, batch.get("attention_mask"))
-    head_params, head_layouts = _top(model.HEAD_PARAMS, params), _top(model.HEAD_PARAMS, layouts)
+    inputs = [batch[k] for k in model.EMBED_INPUTS if k in batch]
+    x = run_pieces(model, params, layouts, batch["inputs"], cfg, call, head=False, inputs=inputs,
+                   valid=batch.get("attention_mask"), compute=compute)
+    head_params, head_layouts = top(model.HEAD_PARAMS, params), top(model.HEAD_PARAMS, layouts)
     if compute is not None and compute.loss_chunk:
         return call(head_loss_sum(model), head_params, head_layouts, x, cfg, batch["targets"],
                     batch.get("loss_mask"), compute.loss_chunk)
-    logits = call(model.head, head_params, head_layouts, x, cfg)
-    return layers.cross_entropy_sum(logits, batch["targets"], batch.get("loss_mask"), vocab_size=cfg.vocab_size)
+    loss_sum, _ = model.objective(cfg)(call(model.head, head_params, head_layouts, x, cfg), batch)
+    return loss_sum

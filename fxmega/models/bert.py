@@ -110,6 +110,9 @@ EMBED_PARAMS = ("embed",)
 HEAD_PARAMS = ("mlm", "embed")
 # What ``embed`` reads from a batch besides the tokens, in its argument order.
 EMBED_INPUTS: tuple[str, ...] = ("token_types",)
+# The embedding ends with a LayerNorm, whose backward reads its scale (ZeRO-3 gathers the
+# embedding again for the backward; the estimates count it).
+EMBED_BACKWARD_READS_PARAMS = True
 
 
 def objective(cfg: Config) -> objectives.Objective:

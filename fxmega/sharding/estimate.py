@@ -43,6 +43,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from fxmega.models import model_for
 from fxmega.sharding import collectives
 from fxmega.sharding.mesh import DATA_AXES
 from fxmega.sharding.plan import ShardingPlan
@@ -261,8 +262,6 @@ def memory(plan: ShardingPlan, model_cfg: Any, family: str, work: Workload) -> l
         blocks = sorted({int(p.path.split(".")[1]) for p in mine if p.path.startswith("blocks.")})
         gathers = any(p.data_axes["param"] for p in mine)
         block_params = _block_param_numel(plan, blocks[0] if blocks else 0)
-        if family == "bert":  # one piece: the whole model is gathered at once
-            block_params = sum(_full(p) for p in mine)
         if work.precision == "fp32":
             copy = block_params * FP32 if gathers else 0  # ZeRO-3: one gathered block
         else:
@@ -325,7 +324,8 @@ def communication(plan: ShardingPlan, model_cfg: Any, family: str, work: Workloa
         _tp_traffic(plan, work, shape, blocks, pp_rank, traffic.setdefault("tp", AxisTraffic()))
     data_axes = tuple(a for a in DATA_AXES if mesh.size(a) > 1)
     if data_axes:
-        _data_traffic(plan, mine, work, bucket_numel, traffic, None if family == "bert" else model_groups(model_cfg))
+        _data_traffic(plan, mine, work, bucket_numel, traffic, model_groups(model_cfg),
+                      embed_backward_reads_params(model_cfg))
         # the step's loss, summed over the data ranks
         traffic.setdefault("+".join(data_axes), AxisTraffic()).add("all_reduce", 1, FP32, mesh.data_size)
     if mesh.world_size > 1:  # the global gradient norm (on the one axis's group when only one is split)
@@ -392,14 +392,19 @@ def _tp_traffic(plan: ShardingPlan, work: Workload, shape: BlockShape, blocks: l
 
 def model_groups(model_cfg: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The model's embedding and head parameter groups (ZeRO-3 gathers each as one piece)."""
-    from fxmega.models import model_for
-
     model = model_for(model_cfg)
     return tuple(getattr(model, "EMBED_PARAMS", ())), tuple(getattr(model, "HEAD_PARAMS", ()))
 
 
+def embed_backward_reads_params(model_cfg: Any) -> bool:
+    """Whether the family's embedding needs its parameters in the backward (BERT's ends with
+    a LayerNorm; a plain lookup plus positions does not), so ZeRO-3 gathers it again there."""
+    return bool(getattr(model_for(model_cfg), "EMBED_BACKWARD_READS_PARAMS", False))
+
+
 def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: int,
-                  traffic: dict[str, AxisTraffic], groups: tuple[tuple[str, ...], tuple[str, ...]] | None) -> None:
+                  traffic: dict[str, AxisTraffic], groups: tuple[tuple[str, ...], tuple[str, ...]],
+                  embed_regathered: bool) -> None:
     """The data axes' collectives, as ``Parallel`` schedules them: each op over the axes it
     spans (HSDP: gathers over fsdp, replica all-reduce over dp), bucketed the same way."""
     mesh, n = plan.mesh, work.n_micro
@@ -423,13 +428,12 @@ def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: 
 
     gathered = [p for p in mine if p.data_axes["param"]]
     if gathered:  # ZeRO-3 / FSDP: per micro batch and piece, gathered, gathered again in the backward
-        axes = gathered[0].data_axes["param"]  # (but the last piece, still there), gradients reduce-scattered
-        # BERT runs as one piece (gathered twice); a piece-wise model's head is not gathered again
-        pieces = _pieces(gathered, groups) if groups is not None else [sum(_full(p) for p in gathered)]
+        axes = gathered[0].data_axes["param"]  # where it reads its parameters, gradients reduce-scattered;
+        # the embedding's backward reads none unless the family says so (a lookup needs only the ids)
         copy = DTYPE_BYTES[work.precision]
-        for i, numel in enumerate(pieces):
-            last = i == len(pieces) - 1 and groups is not None
-            add("all_gather", axes, n * (1 if last else 2), numel * copy)
+        for kind, numel in _pieces(gathered, groups):
+            again = embed_regathered if kind == "embed" else True
+            add("all_gather", axes, n * (2 if again else 1), numel * copy)
             add("reduce_scatter", axes, n, numel * reduce)
     # ZeRO-2: the gradient's extra data axes, reduce-scattered per micro batch
     scheduled("reduce_scatter", lambda p: extra(p, "grad", "param"), lambda p: p.local_numel("param"), n, reduce)
@@ -447,9 +451,10 @@ def _full(p: Any) -> int:
     return p.local_numel("param") * p.data_split("param")
 
 
-def _pieces(params: list, groups: tuple[tuple[str, ...], tuple[str, ...]]) -> list[int]:
-    """Gathered elements per model piece, in order: the embedding group, each block, the head
-    group (a tied embedding is gathered again with the head): ZeRO-3's buckets."""
+def _pieces(params: list, groups: tuple[tuple[str, ...], tuple[str, ...]]) -> list[tuple[str, int]]:
+    """``(kind, gathered elements)`` per model piece, in order: the embedding group, each
+    block, the head group (a tied embedding is gathered again with the head): ZeRO-3's
+    buckets."""
     full = _full
 
     embed_groups, head_groups = groups
@@ -465,5 +470,5 @@ def _pieces(params: list, groups: tuple[tuple[str, ...], tuple[str, ...]]) -> li
         for p in params:
             if not p.path.startswith("blocks."):
                 rest[p.path.split(".")[0]] = rest.get(p.path.split(".")[0], 0) + full(p)
-        return list(rest.values()) + list(blocks.values())
-    return [n for n in (embed, *blocks.values(), head) if n]
+        return [("other", n) for n in rest.values()] + [("block", n) for n in blocks.values()]
+    return [(k, n) for k, n in (("embed", embed), *(("block", b) for b in blocks.values()), ("head", head)) if n]

@@ -1,0 +1,64 @@
+"""The one forward by pieces: embedding, blocks, head, each run through a ``call``.
+
+Every path that runs a model for training — the single-device and mesh step, a pipeline's
+stages, fine-tuning, evaluation — goes through ``run_pieces``, so they cannot disagree on
+what a piece is given: the embedding gets the tokens and what the family's ``EMBED_INPUTS``
+names (BERT's token types), every block gets the attention mask of a padded batch, and
+the recompute mode is chosen per block by its global index.
+
+``call(piece_fn, piece_params, piece_layouts, *args, recompute=mode)`` is where the caller
+puts its own work around a piece: ``recompute.plain_call`` on one device (activation
+checkpointing), ``Parallel._call`` on a mesh (cast, ZeRO-3 gather, checkpointing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from fxmega.models.registry import ModelFamily
+from fxmega.recompute import mode_for_block
+
+PieceCall = Callable[..., torch.Tensor]
+
+
+def top(groups: tuple[str, ...], params: dict) -> dict:
+    """The top-level parameter groups a piece reads (so a gathering call gathers no more)."""
+    return {g: params[g] for g in groups}
+
+
+def blocks_of(params: dict) -> list[tuple[int, dict]]:
+    """``(global index, block tree)`` for the blocks ``params`` holds: all of them (a list),
+    or a pipeline stage's (a dict keyed by the global index)."""
+    blocks = params["blocks"]
+    if isinstance(blocks, dict):
+        return [(i, blocks[str(i)]) for i in sorted(int(k) for k in blocks)]  # ints: dynamo sorts those
+    return list(enumerate(blocks))
+
+
+def run_pieces(model: ModelFamily, params: dict, layouts: dict, x: torch.Tensor, cfg: Any, call: PieceCall, *,
+               embed: bool = True, head: bool = True, inputs: Sequence[torch.Tensor] = (),
+               valid: torch.Tensor | None = None, compute: Any = None) -> torch.Tensor:
+    """``x`` through the pieces ``params`` holds, in order: the embedding (if ``embed``:
+    ``x`` is then the tokens and ``inputs`` the family's ``EMBED_INPUTS``), every block in
+    ``params["blocks"]`` (with ``valid``, the attention mask, where given), and the head (if
+    ``head``). ``layouts`` mirrors ``params``; ``compute`` (a ``ComputeConfig``) picks each
+    block's recompute mode."""
+    mode, first_n = (compute.recompute, compute.recompute_layers) if compute is not None else ("none", 0)
+    if embed:
+        x = call(model.embed, top(model.EMBED_PARAMS, params), top(model.EMBED_PARAMS, layouts), x, cfg, *inputs)
+    extra = () if valid is None else (valid,)
+    lays = dict(blocks_of(layouts))
+    for i, p in blocks_of(params):
+        x = call(model.block, p, lays[i], x, cfg, *extra, recompute=mode_for_block(mode, i, first_n))
+    if head:
+        x = call(model.head, top(model.HEAD_PARAMS, params), top(model.HEAD_PARAMS, layouts), x, cfg)
+    return x
+
+
+def embed_inputs(model: ModelFamily, batch: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
+    """What the family's embedding reads from ``batch`` besides the tokens, in its order
+    (None where the batch lacks it: the embedding's default)."""
+    return [batch.get(k) for k in model.EMBED_INPUTS]
