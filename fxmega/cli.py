@@ -16,6 +16,8 @@ from typing import Any
 
 from fxmega.config import RunConfig, load, override
 from fxmega.errors import ConfigError, FxmegaError
+from fxmega.sharding import distributed
+from fxmega.sharding.mesh import MeshSpec
 
 # flag -> config key it sets
 FLAG_KEYS = {
@@ -191,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             print(plan.explain())
             return 0
         if args.command == "finetune":
-            return _finetune(cfg, args)
+            return _finetune(cfg, args, argv)
         if args.command == "eval":
             return _on_mesh(cfg, argv, _eval)
         if args.command == "generate":
@@ -303,13 +305,19 @@ def _eval(cfg: RunConfig, parallel: Any, device: Any) -> None:
                 f.write(json.dumps(result) + "\n")
 
 
-def _finetune(cfg: RunConfig, args: argparse.Namespace) -> int:
-    """Sequence classification on one device (``fxmega.finetune``)."""
+def _finetune(cfg: RunConfig, args: argparse.Namespace, argv: list[str]) -> int:
+    """Sequence classification (``fxmega.finetune``) on one device, or on the mesh's ranks
+    (started with torch.distributed.run when not under a launcher already)."""
     from fxmega.finetune import finetune
 
     if not args.data_path:
         raise ConfigError('finetune needs --data-path TRAIN.jsonl (JSON lines of {"text": ..., "label": ...})')
+    world = MeshSpec.parse(cfg.parallel.mesh).world_size
+    if world > 1 and not distributed.under_launcher():
+        return distributed.relaunch(world, argv)
     result = finetune(cfg, args.data_path[0], valid_path=args.valid_path, n_classes=args.num_classes)
+    if world > 1 and int(os.environ.get("RANK", "0")) != 0:
+        return 0
     print(f"finetune: valid loss {result['valid_loss']:.4f}, valid accuracy {result['valid_accuracy']:.3f} "
           f"over labels {result['labels']}", flush=True)
     return 0
@@ -352,9 +360,6 @@ def _serve(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespace)
 def _on_mesh(cfg: RunConfig, argv: list[str], job: Callable[[RunConfig, Any, Any], None]) -> int:
     """Run ``job(cfg, parallel, device)`` in this process (one device), on ranks started
     with torch.distributed.run (a mesh larger than 1 outside a launcher), or as this rank."""
-    from fxmega.sharding import distributed
-    from fxmega.sharding.mesh import MeshSpec
-
     mesh = MeshSpec.parse(cfg.parallel.mesh)
     if not distributed.under_launcher():
         if mesh.world_size > 1:

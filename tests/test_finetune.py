@@ -213,8 +213,8 @@ def test_load_hugging_face_bert_dir(task, tmp_path):
 
 def test_config_errors(task):
     cfg = _cfg("tiny_gpt")
-    with pytest.raises(ConfigError, match="parallel.mesh='dp=2': finetune runs on one device"):
-        ft.finetune(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mesh="dp=2")), *task)
+    with pytest.raises(ConfigError, match="parallel.mesh='pp=2': fine-tuning does not run pipelined"):
+        ft.finetune(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mesh="pp=2")), *task)
     with pytest.raises(ConfigError, match="compute.precision=fp16"):
         ft.finetune(dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, precision="fp16")), *task)
 
@@ -233,3 +233,49 @@ def test_finetune_command_line(tmp_path, capsys):
     assert accuracy >= 0.8 and "over labels ['high', 'low']" in out
     assert main(["finetune", "--config", str(ROOT / "configs" / "tiny_gpt.py")]) == 2
     assert "finetune needs --data-path TRAIN.jsonl" in capsys.readouterr().err
+
+
+# ---- on a mesh ---------------------------------------------------------------------------------
+# name -> (model config, parallel settings); one micro batch of 8 per data rank and step
+FINETUNE_MESHES = {
+    "gpt_dp2": ("tiny_gpt", dict(mesh="dp=2")),
+    "gpt_dp2_zero3": ("tiny_gpt", dict(mesh="dp=2", rules="zero3")),
+    "gpt_tp2": ("tiny_gpt", dict(mesh="tp=2")),
+    "bert_tp2": ("tiny_bert", dict(mesh="tp=2")),
+}
+MESH_STEPS = 6
+
+
+def _mesh_cfg(name: str, parallel: dict | None = None):
+    cfg = _cfg(name, steps=MESH_STEPS, micro_batch_size=8, global_batch_size=16, log_interval=MESH_STEPS)
+    return cfg if parallel is None else dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel,
+                                                                                              **parallel))
+
+
+def finetune_on_meshes(names: list[str], train_path: str, valid_path: str) -> dict | None:
+    """Each run of ``names`` on this rank's mesh: losses, gradient norms, validation (rank 0)."""
+    out = {}
+    for name in names:
+        model, parallel = FINETUNE_MESHES[name]
+        r = ft.finetune(_mesh_cfg(model, parallel), train_path, valid_path, tokenizer=BYTES)
+        out[name] = {k: r[k] for k in ("train_losses", "grad_norms", "valid_loss", "valid_accuracy")}
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.mark.slow
+def test_finetune_on_dp_zero3_and_tp_matches_one_device(task):
+    from tests.multirank import run_ranks
+    from tests.tolerance import assert_losses_match
+
+    got = run_ranks(2, "tests.test_finetune:finetune_on_meshes", list(FINETUNE_MESHES), *task)[0]
+    for model in ("tiny_gpt", "tiny_bert"):
+        cfg = _mesh_cfg(model)
+        ref = ft.finetune(cfg, *task, tokenizer=BYTES)
+        for name, (m, _) in FINETUNE_MESHES.items():
+            if m != model:
+                continue
+            # the mesh sums in other orders; the gradient norm shows a wrong gradient scale
+            assert_losses_match(got[name]["train_losses"], ref["train_losses"], cfg, f"{name} loss")
+            assert_losses_match(got[name]["grad_norms"], ref["grad_norms"], cfg, f"{name} grad norm")
+            assert got[name]["valid_loss"] == pytest.approx(ref["valid_loss"], rel=run_rtol(cfg, MESH_STEPS + 1))
+            assert got[name]["valid_accuracy"] == ref["valid_accuracy"]

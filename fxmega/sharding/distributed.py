@@ -70,9 +70,10 @@ def init(mesh: MeshSpec, timeout_s: int, device_type: str | None = None):
     return build_device_mesh(mesh, device_type), rank, device
 
 
-def setup(cfg, mesh: MeshSpec):  # -> (Parallel, device)
+def setup(cfg, mesh: MeshSpec, specs: dict | None = None):  # -> (Parallel, device)
     """This rank's ``Parallel`` for a run: process group, device mesh, plan. Prints the
-    resolved mesh (rank 0) and every rank's coordinates."""
+    resolved mesh (rank 0) and every rank's coordinates. ``specs``: the parameter tree to
+    plan (default: the model's; fine-tuning adds its classifier)."""
     from fxmega.models import model_for
     from fxmega.sharding.runtime import Parallel
     from fxmega.sharding.strategy import plan_from
@@ -81,7 +82,7 @@ def setup(cfg, mesh: MeshSpec):  # -> (Parallel, device)
     device_type = None if cfg.train.device == "auto" else cfg.train.device
     device_mesh, rank, device = init(mesh, cfg.parallel.timeout_s, device_type)
     model = model_for(cfg.model)
-    specs = model.param_specs(cfg.model)
+    specs = model.param_specs(cfg.model) if specs is None else specs
     plan = plan_from(specs, cfg.parallel, model)
     if rank == 0:
         print(f"mesh: {mesh.describe()}, {plan.strategy.name} (zero {plan.zero})"
