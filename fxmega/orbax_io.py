@@ -21,7 +21,7 @@ import torch
 from fxmega import tree
 from fxmega.errors import CheckpointError, ConfigError
 from fxmega.json_files import read_object
-from fxmega.models import FAMILIES
+from fxmega.models import registry
 
 
 def _orbax():
@@ -53,16 +53,16 @@ def from_orbax(path: str | Path) -> tuple[str, Any, dict]:
     described = read_object(path / "fxmega_model.json", CheckpointError, fix,
                             required={"family": str, "config": dict})
     family = described["family"]
-    if family not in FAMILIES:
+    if family not in registry.names():
         raise CheckpointError(f"{path / 'fxmega_model.json'} names family {family!r}; fxmega has "
-                              f"{sorted(FAMILIES)}; {fix}")
+                              f"{registry.names()}; {fix}")
     try:
-        cfg = FAMILIES[family].Config(**described["config"])
+        cfg = registry.get(family).Config(**described["config"])
     except TypeError as e:  # a field this version's Config does not have, or lacks
         raise CheckpointError(f"{path / 'fxmega_model.json'}: its config does not fit {family}.Config ({e}); "
                               f"{fix}") from None
     arrays = ocp.StandardCheckpointer().restore(path / "params")
-    specs = FAMILIES[family].param_specs(cfg)
+    specs = registry.get(family).param_specs(cfg)
     flat = dict(tree.items(arrays))
     missing = [p for p in tree.paths(specs) if p not in flat]
     if missing:
