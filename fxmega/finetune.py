@@ -29,9 +29,10 @@ from fxmega.data.classification import load_classification
 from fxmega.data.mlm import specials_for
 from fxmega.data.tokenizer import build_tokenizer
 from fxmega.errors import CheckpointError, ConfigError, DataError, NonFiniteError
+from fxmega.hf_bert import load_hf_dir
 from fxmega.init import init_params
 from fxmega.models import bert, family_name, model_for
-from fxmega.models.pieces import run_pieces, top
+from fxmega.models.pieces import embed_inputs, run_pieces, top
 from fxmega.models.registry import ModelFamily
 from fxmega.objectives import global_count
 from fxmega.optim import AdamWHyper, adamw_init, decay_mask
@@ -41,6 +42,7 @@ from fxmega.sharding import distributed, layout
 from fxmega.sharding.mesh import parse_mesh
 from fxmega.spec import ZEROS, ParamSpec, normal
 from fxmega.step import TrainStep, compiled, trainable
+from fxmega.train import pick_device, set_deterministic
 
 Batch = dict[str, torch.Tensor]
 
@@ -71,7 +73,7 @@ def pooled(model: ModelFamily, params: dict, batch: Batch, cfg: Any) -> torch.Te
     """One ``[batch, d_model]`` vector per row of ``batch["inputs"]`` (right-padded; see
     the module docstring for what each family pools)."""
     mask = batch.get("attention_mask")
-    inputs = [batch[k] for k in model.EMBED_INPUTS if k in batch]
+    inputs = embed_inputs(model, batch)
     x = run_pieces(model, params, params, batch["inputs"], cfg, plain_call, head=False, inputs=inputs, valid=mask)
     return pool(model, params, x, mask, cfg)
 
@@ -122,7 +124,7 @@ def classification_by_pieces(model: ModelFamily, cfg: Any, specs: dict, n_classe
 
     def run(params: dict, batch: Batch, call: Any, layouts: dict) -> torch.Tensor:
         mask = batch["attention_mask"]
-        inputs = [batch[k] for k in model.EMBED_INPUTS if k in batch]
+        inputs = embed_inputs(model, batch)
         x = run_pieces(model, params, layouts, batch["inputs"], cfg, call, head=False, inputs=inputs, valid=mask)
         loss_mask = batch["loss_mask"] if "loss_mask" in batch else torch.ones_like(batch["targets"],
                                                                                      dtype=torch.float32)
@@ -190,7 +192,6 @@ def finetune(cfg: RunConfig, data_path: str | Path, valid_path: str | Path | Non
         if model_for(cfg.model) is not bert:
             raise ConfigError(f"--load {load} is a Hugging Face directory; only BERT ones are read (the config's "
                               f"model is {family_name(cfg.model)}): convert it first (run.py convert --from-hf)")
-        from fxmega.hf_bert import load_hf_dir
 
         model_cfg, hf = load_hf_dir(load)
         cfg = dataclasses.replace(cfg, model=model_cfg)
@@ -204,10 +205,8 @@ def finetune(cfg: RunConfig, data_path: str | Path, valid_path: str | Path | Non
     if cfg.compute.precision == "fp16":
         raise ConfigError("compute.precision=fp16 needs loss scaling, which finetune does not do yet: use bf16 or fp32")
     if t.deterministic:
-        from fxmega.train import set_deterministic
 
         set_deterministic()
-    from fxmega.train import pick_device
 
     if tokenizer is None:
         tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.data_dir)
@@ -243,13 +242,13 @@ def finetune(cfg: RunConfig, data_path: str | Path, valid_path: str | Path | Non
         params = trainable(tree.map_leaves(lambda x: x.to(device), params))
         opt_state = adamw_init(tree.leaves(params))
 
-        def loss_sum(flat: list[torch.Tensor], batch: Batch) -> torch.Tensor:
-            p = tree.unflatten_like(specs, precision.cast(flat, dtype))
-            return train_sum(p, batch, plain_call, p)
+        def on_one_device(piecewise: Callable) -> Callable[[list[torch.Tensor], Batch], torch.Tensor]:
+            def run(flat: list[torch.Tensor], batch: Batch) -> torch.Tensor:
+                p = tree.unflatten_like(specs, precision.cast(flat, dtype))
+                return piecewise(p, batch, plain_call, p)
+            return run
 
-        def eval_sums(flat: list[torch.Tensor], batch: Batch) -> torch.Tensor:
-            p = tree.unflatten_like(specs, precision.cast(flat, dtype))
-            return eval_sum(p, batch, plain_call, p)
+        loss_sum, eval_sums = on_one_device(train_sum), on_one_device(eval_sum)
     else:  # each rank's shards of the same full tensors: the slice of the one-device init or checkpoint
         params = tree.map_with_path(lambda path, x: par.shard(par.pad(x, par.plan.params[path]), par.plan.params[path])
                                     .to(device).requires_grad_(True), params)

@@ -17,14 +17,16 @@ from fxmega.errors import FxmegaError
 FieldType = type | tuple[type, ...]
 
 
+_NAMES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
+          float: "a number", type(None): "null"}
+
+
 def _kind(value: Any) -> str:
-    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "an integer",
-            float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+    return _NAMES.get(type(value), type(value).__name__)
 
 
 def _wanted(types: FieldType) -> str:
-    names = [_kind(t()) if t is not type(None) else "null" for t in (types if isinstance(types, tuple) else (types,))]
-    return " or ".join(names)
+    return " or ".join(_NAMES.get(t, t.__name__) for t in (types if isinstance(types, tuple) else (types,)))
 
 
 def is_a(value: Any, types: FieldType) -> bool:

@@ -180,8 +180,7 @@ class PipelineStep:
         return torch.stack([torch.cat([m[k] for m in micro]).to(torch.float64) for k in keys], dim=1)
 
     def _run_schedule(self, micro: list[dict[str, torch.Tensor]], train: bool) -> torch.Tensor:
-        mask = micro[0].get("attention_mask")
-        if mask is not None and not all(bool(m["attention_mask"].all()) for m in micro):
+        if "attention_mask" in micro[0] and not all(bool(m["attention_mask"].all()) for m in micro):
             raise ConfigError("this batch pads its sequences (attention_mask has zeros), and the pipeline does not "
                               "carry an attention mask between stages: train it without pp (--mesh without pp=), "
                               "or on packed, unpadded sequences")

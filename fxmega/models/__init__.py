@@ -12,7 +12,7 @@ import torch
 
 from fxmega import losses, recompute
 from fxmega.models import bert, gpt, llama, registry
-from fxmega.models.pieces import PieceCall, run_pieces, top
+from fxmega.models.pieces import PieceCall, embed_inputs, run_pieces, top
 from fxmega.models.registry import ModelFamily
 
 for _name, _family in (("gpt", gpt), ("llama", llama), ("bert", bert)):
@@ -27,12 +27,6 @@ def model_for(cfg: object) -> ModelFamily:
 def family_name(cfg: object) -> str:
     """The registered name of ``cfg``'s family."""
     return registry.name_of(cfg)
-
-
-def hidden_by_pieces(model: ModelFamily, params: dict, tokens: torch.Tensor, cfg: object, call: PieceCall,
-                     layouts: dict, compute: Any = None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The residual stream after the last block (``run_pieces`` without the head)."""
-    return run_pieces(model, params, layouts, tokens, cfg, call, head=False, valid=attention_mask, compute=compute)
 
 
 def head_loss_sum(model: ModelFamily) -> Callable[..., torch.Tensor]:
@@ -68,7 +62,7 @@ def lm_loss_sum(params: dict, batch: dict[str, torch.Tensor], cfg: object, call:
     model = model_for(cfg)
     if call is None:
         call, layouts = recompute.plain_call, params
-    inputs = [batch[k] for k in model.EMBED_INPUTS if k in batch]
+    inputs = embed_inputs(model, batch)
     x = run_pieces(model, params, layouts, batch["inputs"], cfg, call, head=False, inputs=inputs,
                    valid=batch.get("attention_mask"), compute=compute)
     head_params, head_layouts = top(model.HEAD_PARAMS, params), top(model.HEAD_PARAMS, layouts)

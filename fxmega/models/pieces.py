@@ -58,7 +58,12 @@ def run_pieces(model: ModelFamily, params: dict, layouts: dict, x: torch.Tensor,
     return x
 
 
-def embed_inputs(model: ModelFamily, batch: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
-    """What the family's embedding reads from ``batch`` besides the tokens, in its order
-    (None where the batch lacks it: the embedding's default)."""
-    return [batch.get(k) for k in model.EMBED_INPUTS]
+def embed_inputs(model: ModelFamily, batch: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """What the family's embedding reads from ``batch`` besides the tokens, in its argument
+    order, up to the first the batch lacks (the embedding's defaults take the rest)."""
+    out = []
+    for key in model.EMBED_INPUTS:
+        if key not in batch:
+            break
+        out.append(batch[key])
+    return out
