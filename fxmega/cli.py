@@ -14,10 +14,22 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from fxmega import convert
 from fxmega.config import RunConfig, load, override
 from fxmega.errors import ConfigError, FxmegaError
-from fxmega.sharding import distributed
+from fxmega.evaluate import evaluate_checkpoint, report
+from fxmega.finetune import finetune
+from fxmega.generation_cli import generate_fn, generate_texts, load_model
+from fxmega.init import count_params
+from fxmega.models import family_name, model_for
+from fxmega.orbax_io import from_orbax, to_orbax
+from fxmega.serve import serve
+from fxmega.sharding import auto, distributed, visualize
 from fxmega.sharding.mesh import MeshSpec
+from fxmega.sharding.report import parse_bytes, plan_report
+from fxmega.sharding.strategy import plan_from
+from fxmega.summary import summary
+from fxmega.train import Run, train
 
 # flag -> config key it sets
 FLAG_KEYS = {
@@ -176,7 +188,6 @@ def main(argv: list[str] | None = None) -> int:
             return _auto(args)
         cfg = config_from_args(args).validate(None)  # before any spec or plan is built from it
         if args.summary or args.command == "summary":
-            from fxmega.summary import summary
 
             cfg.validate()
             print(summary(cfg.model, cfg.train.seq_len))
@@ -184,8 +195,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.plan or args.show or args.plan_html:
             return _plan(cfg, args)
         if args.explain:
-            from fxmega.models import model_for
-            from fxmega.sharding.strategy import plan_from
 
             model = model_for(cfg.model)
             plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
@@ -207,9 +216,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from fxmega import convert
-    from fxmega.init import count_params
-    from fxmega.models import family_name, model_for
 
     save, load = getattr(args, "flag:--save"), getattr(args, "flag:--load")
     source = args.from_hf or args.from_orbax
@@ -219,7 +225,6 @@ def _convert(args: argparse.Namespace) -> int:
         if args.from_hf:
             family, cfg, params = convert.from_hf(source)
         else:
-            from fxmega.orbax_io import from_orbax
 
             family, cfg, params = from_orbax(source)
         path = convert.save_params(save, family, cfg, params, str(source))
@@ -230,7 +235,6 @@ def _convert(args: argparse.Namespace) -> int:
     if target:
         if not (load and args.config):
             raise ConfigError("convert --to-hf/--to-orbax DIR needs --load CKPT and the --config it was trained with")
-        from fxmega.train import Run
 
         cfg = override(config_from_args(args), ["data.source=mock", "train.compile=false", "train.device=cpu",
                                                 "train.load_dir="])
@@ -241,7 +245,6 @@ def _convert(args: argparse.Namespace) -> int:
             path = convert.to_hf(family_name(cfg.model), cfg.model, run.params, target)
             print(f"wrote {path} (config.json, model.safetensors): loads with transformers' from_pretrained")
         else:
-            from fxmega.orbax_io import to_orbax
 
             path = to_orbax(family_name(cfg.model), cfg.model, run.params, target)
             print(f"wrote {path} (fxmega_model.json, params/): restores with orbax StandardCheckpointer")
@@ -251,15 +254,11 @@ def _convert(args: argparse.Namespace) -> int:
 
 def _plan(cfg: RunConfig, args: argparse.Namespace) -> int:
     """``--plan``: the whole plan for ``--mesh`` in this process (``fxmega.sharding.report``)."""
-    from fxmega.sharding.report import parse_bytes, plan_report
 
     budget = parse_bytes(args.memory_per_device) if args.memory_per_device else None
     if args.plan:
         print(plan_report(cfg, budget, args.rank, dump_dir=cfg.train.dump_kernels or None), flush=True)
     if args.show or args.plan_html:
-        from fxmega.models import model_for
-        from fxmega.sharding import visualize
-        from fxmega.sharding.strategy import plan_from
 
         model = model_for(cfg.model)
         plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
@@ -273,8 +272,6 @@ def _plan(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 def _auto(args: argparse.Namespace) -> int:
     """``--mesh auto``: rank the layouts for ``--devices`` devices (``fxmega.sharding.auto``)."""
-    from fxmega.sharding import auto
-    from fxmega.sharding.report import parse_bytes
 
     if args.devices is None:
         raise ConfigError("--mesh auto needs --devices N: how many devices to plan for")
@@ -287,7 +284,6 @@ def _auto(args: argparse.Namespace) -> int:
 
 
 def _train_job(cfg: RunConfig, parallel: Any, device: Any, progress: bool) -> None:
-    from fxmega.train import train
 
     train(cfg, progress=progress, parallel=parallel, device=device)
 
@@ -295,7 +291,6 @@ def _train_job(cfg: RunConfig, parallel: Any, device: Any, progress: bool) -> No
 def _eval(cfg: RunConfig, parallel: Any, device: Any) -> None:
     import json
 
-    from fxmega.evaluate import evaluate_checkpoint, report
 
     result = evaluate_checkpoint(cfg, parallel, device)
     if parallel is None or parallel.rank == 0:
@@ -308,7 +303,6 @@ def _eval(cfg: RunConfig, parallel: Any, device: Any) -> None:
 def _finetune(cfg: RunConfig, args: argparse.Namespace, argv: list[str]) -> int:
     """Sequence classification (``fxmega.finetune``) on one device, or on the mesh's ranks
     (started with torch.distributed.run when not under a launcher already)."""
-    from fxmega.finetune import finetune
 
     if not args.data_path:
         raise ConfigError('finetune needs --data-path TRAIN.jsonl (JSON lines of {"text": ..., "label": ...})')
@@ -324,7 +318,6 @@ def _finetune(cfg: RunConfig, args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _generate(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespace) -> None:
-    from fxmega.generation_cli import generate_texts, load_model
 
     if not args.prompt:
         raise ConfigError("generate needs at least one --prompt TEXT")
@@ -337,8 +330,6 @@ def _generate(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespa
 
 
 def _serve(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespace) -> None:
-    from fxmega.generation_cli import generate_fn, load_model
-    from fxmega.serve import serve
 
     if parallel is not None:
         raise ConfigError("serve runs on one device for now (--mesh 1): a tp mesh serves through generate_on_mesh "

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fxmega.data.gpt_dataset import parse_split
 from fxmega.errors import ConfigError
 from fxmega.models import family_name, model_for
 from fxmega.models.registry import ModelConfig
+from fxmega.sharding.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 
 # torch.compile backends a run may use: inductor generates fused kernels; aot_eager traces
 # the same forward+backward graph (collectives included) and runs it op by op, which
@@ -297,7 +299,6 @@ def _validate(cfg: RunConfig, dp: int | None) -> None:
     _require(o.eps > 0, f"optim.eps={o.eps} must be positive")
     _require(o.weight_decay >= 0 and o.clip_grad >= 0, "optim.weight_decay and optim.clip_grad must not be negative")
     _require(0 < d.valid_fraction < 1, f"data.valid_fraction={d.valid_fraction} must be between 0 and 1")
-    from fxmega.data.gpt_dataset import parse_split
 
     parse_split(d.split)  # raises ConfigError naming the value
     _validate_compute(cfg.compute)
@@ -305,7 +306,6 @@ def _validate(cfg: RunConfig, dp: int | None) -> None:
     _require(p.zero in (-1, 0, 1, 2, 3), f"parallel.zero={p.zero}: use 0, 1, 2 or 3")
     _require(p.bucket_size >= 0, f"parallel.bucket_size={p.bucket_size} must be zero (one bucket) or positive")
     _require(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be positive")
-    from fxmega.sharding.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 
     _require(p.pipeline_schedule in PIPELINE_SCHEDULES,
              f"parallel.pipeline_schedule={p.pipeline_schedule!r}: use one of {', '.join(PIPELINE_SCHEDULES)}")

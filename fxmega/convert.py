@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from fxmega import hf_files, hf_layout, tree
+from fxmega import checkpoint, hf_files, hf_layout, tree
 from fxmega.errors import CheckpointError, ConfigError
+from fxmega.hf_bert import load_hf_dir
 from fxmega.json_files import check_fields
 from fxmega.models import gpt, llama
 
@@ -100,7 +101,6 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[str, 
     Llama, or BERT: ``fxmega.hf_bert``)."""
     path = Path(path)
     if hf_files.read_config(path, "give a Hugging Face model directory").get("model_type") == "bert":
-        from fxmega.hf_bert import load_hf_dir
 
         cfg, params = load_hf_dir(path, dtype)
         return "bert", cfg, params
@@ -132,7 +132,6 @@ def to_hf(family: str, cfg: Any, params: dict, path: str | Path) -> Path:
 
 def save_params(root: str | Path, family: str, cfg: Any, params: dict, source: str) -> Path:
     """A parameters-only fxmega checkpoint (step 0) that ``--load`` initialises a run from."""
-    from fxmega import checkpoint
 
     tensors = {f"params.{p}": t.detach().to(torch.float32).contiguous() for p, t in tree.items(params)}
     meta = {"format": 1, "step": 0, "params_only": True, "model_family": family, "source": source,

@@ -15,12 +15,12 @@ import torch
 
 from fxmega.config import RunConfig
 from fxmega.errors import ConfigError
+from fxmega.train import Run
 
 
 def evaluate_checkpoint(cfg: RunConfig, parallel: Any = None, device: torch.device | None = None) -> dict[str, Any]:
     """Load ``cfg.train.load_dir`` and evaluate it; returns loss, perplexity and token count
     (every rank takes part; every rank gets the same numbers)."""
-    from fxmega.train import Run
 
     t = cfg.train
     if not t.load_dir:

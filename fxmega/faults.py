@@ -12,6 +12,8 @@ import os
 import signal
 import sys
 
+from fxmega import tree
+
 
 def maybe_kill(rank: int, step: int) -> None:
     spec = os.environ.get("FXMEGA_TEST_KILL_AT_STEP", "")
@@ -57,7 +59,6 @@ def nonfinite_report(run, metrics: dict, step: int) -> dict:
     """What a non-finite step looked like on this rank: which local gradients went bad."""
     import torch
 
-    from fxmega import tree
 
     bad = metrics["nonfinite_grads"].tolist()
     paths = [p for p, b in zip(tree.paths(run.local_specs), bad) if b]

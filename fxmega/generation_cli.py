@@ -9,12 +9,15 @@ from typing import Any
 
 from fxmega.config import RunConfig
 from fxmega.errors import ConfigError
+from fxmega.generate import generate_cached
+from fxmega.generate_parallel import generate_on_mesh
+from fxmega.models import family_name
+from fxmega.serve import cut_at_stop, stop_token_ids
+from fxmega.train import Run
 
 
 def load_model(cfg: RunConfig, parallel: Any = None, device: Any = None) -> Any:
     """A ``Run`` holding ``--load``'s parameters (resharded onto the mesh), with a tokenizer."""
-    from fxmega.models import family_name
-    from fxmega.train import Run
 
     if family_name(cfg.model) == "bert":
         raise ConfigError("generate/serve need a decoder (gpt or llama); BERT is an encoder")
@@ -33,10 +36,8 @@ def generate_fn(run: Any) -> Any:
     """``(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed) -> new ids``
     for this run: cached generation on one device, or on the run's mesh."""
     if run.parallel is not None:
-        from fxmega.generate_parallel import generate_on_mesh
 
         return functools.partial(generate_on_mesh, run)
-    from fxmega.generate import generate_cached
 
     return functools.partial(generate_cached, run.model, run.params, run.cfg.model)
 
@@ -44,7 +45,6 @@ def generate_fn(run: Any) -> Any:
 def generate_texts(run: Any, prompts: list[str], max_new_tokens: int, temperature: float, top_k: int,
                    top_p: float, stops: list[str], seed: int) -> list[str]:
     """Completions of ``prompts`` (text after each prompt, cut at the first stop string)."""
-    from fxmega.serve import cut_at_stop, stop_token_ids
 
     tok = run.tokenizer
     outs = generate_fn(run)([tok.encode(p) for p in prompts], max_new_tokens, temperature=temperature, top_k=top_k,

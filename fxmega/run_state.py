@@ -21,6 +21,7 @@ import torch
 from fxmega import checkpoint, tree
 from fxmega.config import to_dict
 from fxmega.errors import CheckpointError
+from fxmega.models import family_name
 
 FORMAT = 1
 
@@ -45,7 +46,6 @@ def tensors(run: Any, params_only: bool = False) -> dict[str, torch.Tensor]:
 
 
 def meta(run: Any, params_only: bool = False) -> dict[str, Any]:
-    from fxmega.models import family_name
 
     return {
         "format": FORMAT, "step": run.step, "consumed_samples": run.step * run.cfg.train.global_batch_size,

@@ -27,6 +27,7 @@ import torch._dynamo
 from fxmega import tree
 from fxmega.objectives import global_count
 from fxmega.optim import AdamWHyper
+from fxmega.sharding.inspect import aot_eager_backend
 from fxmega.sharding.zero3 import backward_phase
 from fxmega.update import Update
 
@@ -45,7 +46,6 @@ def compiled(fn: Callable, backend: str = "inductor", options: dict | None = Non
     (``fullgraph``: a graph break is an error, not a silent split) with static shapes;
     ``options`` are inductor settings (ignored by other backends)."""
     if backend == "aot_eager":
-        from fxmega.sharding.inspect import aot_eager_backend
 
         return torch.compile(fn, fullgraph=True, dynamic=False, backend=aot_eager_backend())
     return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend, options=options or None)

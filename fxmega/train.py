@@ -19,18 +19,21 @@ from tqdm import tqdm
 
 from fxmega import checkpoint, faults, kernels, precision, recompute, run_state, tracking, tree
 from fxmega.config import RunConfig, to_dict
-from fxmega.data.batches import micro_batches
+from fxmega.data.batches import MockTokens, micro_batches
+from fxmega.data.mlm import MaskedLM, specials_for
 from fxmega.data.sources import build_data
 from fxmega.errors import ConfigError, NonFiniteError
 from fxmega.generate import generate
 from fxmega.heartbeat import Heartbeat
 from fxmega.init import count_params, init_params
+from fxmega.kernel_dump import dump_kernels
 from fxmega.logs import RunLog
 from fxmega.memory import peak_bytes, reset_peak
 from fxmega.metrics import Throughput, device_peak, model_flops_per_token
 from fxmega.models import family_name, lm_loss_sum, loss_by_pieces, model_for
 from fxmega.objectives import global_count
 from fxmega.optim import AdamWHyper, adamw_init, decay_mask
+from fxmega.pipeline_step import PipelineStep
 from fxmega.schedules import lr_at
 from fxmega.step import EvalStep, TrainStep, trainable
 
@@ -115,7 +118,6 @@ class Run:
         zero3_regather = parallel is not None and parallel.gathers_params and parallel.regather
         options = recompute.inductor_options(cfg.compute.recompute != "none" or zero3_regather)
         if self.pipelined:
-            from fxmega.pipeline_step import PipelineStep
 
             # PipelineStage registers the stage's parameters as nn.Parameters (same storage)
             self.params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), self.params)
@@ -131,8 +133,6 @@ class Run:
         self.data = build_data(cfg)
         self.train_data, self.valid_data, self.tokenizer = self.data.train, self.data.valid, self.data.tokenizer
         if family_name(cfg.model) == "bert":  # BERT pre-trains as a masked LM over the same token sources
-            from fxmega.data.batches import MockTokens
-            from fxmega.data.mlm import MaskedLM, specials_for
 
             specials = specials_for(self.tokenizer, cfg.model.vocab_size)
             if cfg.data.source == "mock":  # synthetic ids below the three reserved for the specials
@@ -340,7 +340,6 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
         t0 = time.perf_counter()
         try:
             if t.dump_kernels and run.step == first_step:  # the first step compiles: dump what it becomes
-                from fxmega.kernel_dump import dump_kernels
 
                 with dump_kernels(t.dump_kernels, rank, parallel.group_labels if parallel is not None else None):
                     m = run.do_step()

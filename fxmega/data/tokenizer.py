@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fxmega.data.vocab_files import ensure_gpt2_ranks
 from fxmega.errors import ConfigError, DataError
 from fxmega.json_files import is_a, read_object
 
@@ -144,7 +145,6 @@ def build_tokenizer(spec: str, data_dir: str | Path = "data") -> ByteTokenizer |
     if kind == "byte" and not arg:
         return ByteTokenizer()
     if kind == "gpt2" and not arg:
-        from fxmega.data.vocab_files import ensure_gpt2_ranks
 
         return tiktoken_from_file(ensure_gpt2_ranks(data_dir), "gpt2")
     if kind == "gpt2-bpe" and arg:

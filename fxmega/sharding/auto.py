@@ -28,6 +28,10 @@ from typing import Any
 from fxmega.config import override
 from fxmega.errors import ConfigError
 from fxmega.metrics import model_flops_per_token
+from fxmega.models import model_for
+from fxmega.sharding.pipeline import check_microbatches
+from fxmega.sharding.report import estimate_plan, text_table
+from fxmega.sharding.strategy import plan_from
 
 SCHEDULE_CHOICES = (("1f1b", 1), ("interleaved-1f1b", 2))
 RECOMPUTE_CHOICES = ("none", "selective", "full")
@@ -131,9 +135,6 @@ def candidates(cfg: Any, devices: int, profile: DeviceProfile) -> list[Candidate
 def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int, plans: dict | None = None) -> Candidate:
     """Fill in ``c``'s memory and step time, or its rejection reason; ``plans`` (layout ->
     plan, shared by the candidates of one search of ``cfg``) saves re-planning a layout."""
-    from fxmega.models import model_for
-    from fxmega.sharding.report import estimate_plan
-    from fxmega.sharding.strategy import plan_from
 
     if c.tp > profile.per_node or profile.per_node % c.tp:
         c.reason = (f"tp={c.tp} groups would span nodes ({profile.per_node} devices per node): tp traffic needs "
@@ -149,7 +150,6 @@ def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int, plans:
         plan = plans[key]
         run_cfg.validate(plan.mesh.data_size)
         if plan.pipeline is not None:
-            from fxmega.sharding.pipeline import check_microbatches
 
             check_microbatches(c.schedule, run_cfg.grad_accum_steps(c.dp), c.pp, c.virtual)
     except ConfigError as e:
@@ -166,7 +166,6 @@ def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int, plans:
 
 def _price(cfg: Any, c: Candidate, est: Any, profile: DeviceProfile) -> None:
     t = cfg.train
-    from fxmega.models import model_for
 
     specs = model_for(cfg.model).param_specs(cfg.model)
     devices = c.dp * c.tp * c.pp
@@ -217,7 +216,6 @@ def report(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = 
         rows.append((str(i), c.describe(), f"{c.memory / 1e9:.1f} GB", f"{c.step_s:.3f}", f"{c.mfu:.0%}",
                      f"{p['compute']:.3f}", f"{p['tp']:.3f}", f"{p['data']:.3f} ({p['data exposed']:.3f})",
                      f"{p['bubble']:.0%}"))
-    from fxmega.sharding.report import text_table
 
     lines += text_table(rows) if ok else ["  no candidate fits: more devices, more memory per device, or a smaller "
                                       "micro batch / sequence"]

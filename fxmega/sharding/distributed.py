@@ -18,7 +18,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fxmega.models import model_for
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh, check_world_size
+from fxmega.sharding.runtime import Parallel
+from fxmega.sharding.strategy import plan_from
 
 
 def under_launcher() -> bool:
@@ -74,9 +77,6 @@ def setup(cfg, mesh: MeshSpec, specs: dict | None = None):  # -> (Parallel, devi
     """This rank's ``Parallel`` for a run: process group, device mesh, plan. Prints the
     resolved mesh (rank 0) and every rank's coordinates. ``specs``: the parameter tree to
     plan (default: the model's; fine-tuning adds its classifier)."""
-    from fxmega.models import model_for
-    from fxmega.sharding.runtime import Parallel
-    from fxmega.sharding.strategy import plan_from
 
     per_rank_caches()
     device_type = None if cfg.train.device == "auto" else cfg.train.device

@@ -13,9 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxmega.errors import ConfigError
-from fxmega.sharding import estimate
+from fxmega.kernel_dump import dump_kernels
+from fxmega.models import family_name, model_for
+from fxmega.sharding import estimate, fake
 from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
+from fxmega.sharding.pipeline import SPLIT_BACKWARD
 from fxmega.sharding.plan import ShardingPlan, format_bytes
+from fxmega.sharding.strategy import plan_from
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -48,7 +52,6 @@ class PlanEstimate:
 
 
 def estimate_plan(cfg: Any, plan: ShardingPlan) -> PlanEstimate:
-    from fxmega.models import family_name
 
     work = estimate.workload_of(cfg, plan.mesh.data_size)
     family = family_name(cfg.model)
@@ -154,8 +157,6 @@ def plan_report(cfg: Any, budget: int | None = None, rank: int | None = None, ve
                 dump_dir: str | None = None) -> str:
     """The ``--plan`` text for ``cfg`` (its ``parallel.mesh``), optionally tracing ``rank``
     (and writing its traced graphs under ``dump_dir``, see ``fxmega.kernel_dump``)."""
-    from fxmega.models import model_for
-    from fxmega.sharding.strategy import plan_from
 
     model = model_for(cfg.model)
     plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
@@ -187,8 +188,6 @@ def _collapse_blocks(lines: list[str], n_layers: int) -> list[str]:
 def _on_fake_mesh(cfg: Any, plan: ShardingPlan, rank: int | None, dump_dir: str | None = None) -> list[str]:
     import contextlib
 
-    from fxmega.kernel_dump import dump_kernels
-    from fxmega.sharding import fake
 
     who = 0 if rank is None else rank
     with fake.fake_world(plan.mesh.world_size, who):
@@ -209,7 +208,6 @@ def _on_fake_mesh(cfg: Any, plan: ShardingPlan, rank: int | None, dump_dir: str 
                  f"{len(trace.graphs)} graph(s); collectives:")
     pipe = plan.pipeline
     if pipe is not None and not trace.graphs:
-        from fxmega.sharding.pipeline import SPLIT_BACKWARD
 
         if pipe.schedule in SPLIT_BACKWARD:
             lines.append(f"  none traced: the {pipe.schedule} schedule runs its stages eagerly (it splits each "
