@@ -25,7 +25,7 @@ def predicted(cfg, pp_rank: int = 0) -> estimate.MemoryEstimate:
     model = model_for(cfg.model)
     plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
     work = estimate.workload_of(cfg, plan.mesh.data_size)
-    return estimate.memory(plan, cfg.model, family_name(cfg.model), work)[pp_rank]
+    return estimate.memory(plan, cfg.model, work)[pp_rank]
 
 
 def _nbytes(ts) -> int:

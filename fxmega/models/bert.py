@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from fxmega import layers, objectives
 from fxmega.errors import ConfigError
+from fxmega.models import gpt
 from fxmega.models.checks import require_heads_divide, require_positive
 from fxmega.sharding.layout import local, shard
 from fxmega.spec import ONES, ZEROS, ParamSpec, normal
@@ -113,6 +114,9 @@ EMBED_INPUTS: tuple[str, ...] = ("token_types",)
 # The embedding ends with a LayerNorm, whose backward reads its scale (ZeRO-3 gathers the
 # embedding again for the backward; the estimates count it).
 EMBED_BACKWARD_READS_PARAMS = True
+# What one block keeps for its backward: the tensors of a GPT block (two LayerNorms, fused
+# QKV, a GELU MLP); post-LN orders them differently but keeps the same sizes.
+BLOCK_SAVED = gpt.BLOCK_SAVED
 
 
 def objective(cfg: Config) -> objectives.Objective:

@@ -16,6 +16,7 @@ import torch
 from fxmega import layers, objectives
 from fxmega.errors import ConfigError
 from fxmega.models.checks import require_heads_divide, require_positive
+from fxmega.models.census import Saved
 from fxmega.sharding.layout import shard
 from fxmega.spec import ONES, ZEROS, ParamSpec, normal
 
@@ -92,6 +93,23 @@ HEAD_PARAMS = ("final_norm", "embed")
 # What the embedding reads from a batch besides the tokens (a pipeline's first stage gets
 # them stacked with the tokens): nothing.
 EMBED_INPUTS: tuple[str, ...] = ()
+# What one block keeps for its backward (``fxmega.models.census``): two LayerNorms, the fused
+# QKV projection, the tanh-GELU MLP.
+BLOCK_SAVED = (
+    Saved("input", 1, "embed", "act", True, "input"),
+    Saved("attn_norm.stats", 2, "one", "fp32", True, "other"),
+    Saved("attn_norm.output", 1, "embed", "act", False, "norm_out"),
+    Saved("attn.qkv", 3, "q", "act", False, "matmul"),
+    Saved("attn.out", 1, "q", "act", False, "attention"),
+    Saved("attn.lse", 1, "heads", "fp32", False, "attention"),
+    Saved("attn.wo_out", 1, "embed", "act", False, "projection_out"),
+    Saved("residual", 1, "embed", "act", True, "other"),
+    Saved("mlp_norm.stats", 2, "one", "fp32", True, "other"),
+    Saved("mlp_norm.output", 1, "embed", "act", False, "norm_out"),
+    Saved("mlp.pre_gelu", 1, "mlp", "act", False, "matmul"),
+    Saved("mlp.gelu", 1, "mlp", "act", False, "other"),
+    Saved("mlp.out", 1, "embed", "act", False, "projection_out"),
+)
 
 
 def objective(cfg: Config) -> objectives.Objective:

@@ -14,6 +14,7 @@ import torch
 
 from fxmega import layers, objectives
 from fxmega.errors import ConfigError
+from fxmega.models.census import Saved
 from fxmega.models.checks import require_positive
 from fxmega.sharding.layout import shard
 from fxmega.spec import ONES, ParamSpec, normal
@@ -99,6 +100,31 @@ HEAD_PARAMS = ("final_norm", "head")
 # What the embedding reads from a batch besides the tokens (a pipeline's first stage gets
 # them stacked with the tokens): nothing.
 EMBED_INPUTS: tuple[str, ...] = ()
+# What one block keeps for its backward (``fxmega.models.census``). RMSNorm runs in fp32: its
+# fp32 input, the rsqrt statistics and the normalised values; a recomputed region keeps the
+# residual in the compute dtype instead of the fp32 copy.
+BLOCK_SAVED = (
+    Saved("input", 1, "embed", "act", True, "region_input"),
+    Saved("attn_norm.input_fp32", 1, "embed", "fp32", True, "autograd_input"),
+    Saved("attn_norm.rstd", 1, "one", "fp32", True, "other"),
+    Saved("attn_norm.normed", 1, "embed", "act", True, "other"),
+    Saved("attn_norm.output", 1, "embed", "act", False, "norm_out"),
+    Saved("mlp_norm.input_fp32", 1, "embed", "fp32", True, "other"),
+    Saved("mlp_norm.rstd", 1, "one", "fp32", True, "other"),
+    Saved("mlp_norm.normed", 1, "embed", "act", True, "other"),
+    Saved("mlp_norm.output", 1, "embed", "act", False, "norm_out"),
+    Saved("attn.q", 1, "q", "act", False, "matmul"),
+    Saved("attn.k", 1, "kv", "act", False, "matmul"),
+    Saved("attn.v", 1, "kv", "act", False, "matmul"),
+    Saved("attn.out", 1, "q", "act", False, "attention"),
+    Saved("attn.lse", 1, "heads", "fp32", False, "attention"),
+    Saved("attn.wo_out", 1, "embed", "act", False, "projection_out"),
+    Saved("mlp.gate", 1, "mlp", "act", False, "matmul"),
+    Saved("mlp.up", 1, "mlp", "act", False, "matmul"),
+    Saved("mlp.silu", 1, "mlp", "act", False, "other"),
+    Saved("mlp.hidden", 1, "mlp", "act", False, "other"),
+    Saved("mlp.down_out", 1, "embed", "act", False, "projection_out"),
+)
 
 
 def objective(cfg: Config) -> objectives.Objective:

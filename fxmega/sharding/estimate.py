@@ -43,7 +43,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from fxmega.errors import ConfigError
 from fxmega.models import model_for
+from fxmega.models.census import Saved
 from fxmega.sharding import collectives
 from fxmega.sharding.mesh import DATA_AXES
 from fxmega.sharding.plan import ShardingPlan
@@ -121,11 +123,18 @@ class AxisTraffic:
 
 
 # -- activations of one block -------------------------------------------------------------
+# which kinds of saved tensor (``fxmega.models.census``) each recompute mode keeps
+KEPT = {"none": ("input", "autograd_input", "matmul", "attention", "norm_out", "other"),
+        "selective": ("input", "region_input", "matmul", "attention", "projection_out"),
+        "full": ("input", "region_input", "attention")}
+
+
 @dataclass(frozen=True)
 class BlockShape:
-    """The tensor sizes one rank's block works on (tp-local heads and mlp)."""
+    """The tensor sizes one rank's block works on (tp-local heads and mlp), and what the
+    family says the block keeps for its backward."""
 
-    family: str  # gpt | llama | bert
+    saved: tuple[Saved, ...]  # the family's BLOCK_SAVED
     tokens: int  # micro batch x sequence
     embed: int
     heads: int  # local query heads
@@ -137,48 +146,12 @@ class BlockShape:
 
 def saved_tensors(b: BlockShape, act: int) -> dict[str, tuple[int, bool, str]]:
     """Every tensor the backward of one block keeps: name -> (bytes, on the residual side
-    (split along seq under sequence parallelism), kind). Kinds: ``input`` (the block's
-    input), ``matmul`` (a matmul's output), ``attention`` (the attention kernel's output and
-    log-sum-exp), ``norm_out`` (a norm's output, the projections' input), ``other`` (norm
-    statistics, activations, products: what selective recompute redoes)."""
-    t, h = b.tokens, b.embed
-    q, kv, f = b.heads * b.head_dim, b.kv_heads * b.head_dim, b.mlp
-    out: dict[str, tuple[int, bool, str]] = {}
-    if b.family == "llama":
-        # RMSNorm in fp32: its fp32 input, the rsqrt statistics and the normalised values
-        for n in ("attn_norm", "mlp_norm"):
-            kind = "input" if n == "attn_norm" else "other"
-            out[f"{n}.input_fp32"] = (t * h * FP32, True, kind)
-            out[f"{n}.rstd"] = (t * FP32, True, "other")
-            out[f"{n}.normed"] = (t * h * act, True, "other")
-            out[f"{n}.output"] = (t * h * act, False, "norm_out")  # gathered (sp): the projections' input
-        out["attn.q"] = (t * q * act, False, "matmul")
-        out["attn.k"] = (t * kv * act, False, "matmul")
-        out["attn.v"] = (t * kv * act, False, "matmul")
-        out["attn.out"] = (t * q * act, False, "attention")
-        out["attn.lse"] = (t * b.heads * FP32, False, "attention")
-        out["attn.wo_out"] = (0, False, "matmul")  # not kept by autograd; kept by selective recompute
-        out["mlp.gate"] = (t * f * act, False, "matmul")
-        out["mlp.up"] = (t * f * act, False, "matmul")
-        out["mlp.silu"] = (t * f * act, False, "other")
-        out["mlp.hidden"] = (t * f * act, False, "other")
-        out["mlp.down_out"] = (0, False, "matmul")
-        return out
-    # GPT (pre-LN) and BERT (post-LN): two LayerNorms, fused QKV, GELU MLP
-    out["input"] = (t * h * act, True, "input")
-    out["attn_norm.stats"] = (2 * t * FP32, True, "other")
-    out["attn_norm.output"] = (t * h * act, False, "norm_out")
-    out["attn.qkv"] = (3 * t * q * act, False, "matmul")
-    out["attn.out"] = (t * q * act, False, "attention")
-    out["attn.lse"] = (t * b.heads * FP32, False, "attention")
-    out["attn.wo_out"] = (0, False, "matmul")
-    out["residual"] = (t * h * act, True, "other")
-    out["mlp_norm.stats"] = (2 * t * FP32, True, "other")
-    out["mlp_norm.output"] = (t * h * act, False, "norm_out")
-    out["mlp.pre_gelu"] = (t * f * act, False, "matmul")
-    out["mlp.gelu"] = (t * f * act, False, "other")
-    out["mlp.out"] = (0, False, "matmul")
-    return out
+    (split along seq under sequence parallelism), kind), from the family's ``BLOCK_SAVED``
+    (``fxmega.models.census`` says what the widths and kinds mean)."""
+    widths = {"embed": b.embed, "q": b.heads * b.head_dim, "kv": b.kv_heads * b.head_dim, "mlp": b.mlp,
+              "heads": b.heads, "one": 1}
+    dtypes = {"act": act, "fp32": FP32}
+    return {s.name: (b.tokens * s.count * widths[s.width] * dtypes[s.dtype], s.residual, s.kind) for s in b.saved}
 
 
 def _size(entry: tuple[int, bool, str], b: BlockShape) -> int:
@@ -198,40 +171,29 @@ def block_bytes(b: BlockShape, act: int, mode: str, compiled: bool = True) -> in
     outputs, recomputed from the kept input and statistics. Pipeline stages, compiled as
     separate forward and backward graphs, keep them (measured on pp=2: 8.1 MiB per block
     and micro batch, eager's count)."""
-    t, h = b.tokens, b.embed
     saved = saved_tensors(b, act)
-    if mode == "none":
-        return sum(_size(e, b) for e in saved.values() if not (compiled and e[2] == "norm_out"))
-    keep = {"selective": ("input", "matmul", "attention"), "full": ("input", "attention")}[mode]
-    total = sum(_size(e, b) for e in saved.values() if e[2] in keep)
-    if b.family == "llama":  # the region's input is the residual in the compute dtype, not its fp32 copy
-        total += (t * h * act - t * h * FP32) // b.seq_split
-    if mode == "selective":  # the two output projections: full [tokens, embed] partial sums
-        total += 2 * t * h * act
-    return total
+    keep = KEPT[mode]
+    return sum(_size(e, b) for e in saved.values() if e[2] in keep and not (compiled and e[2] == "norm_out"))
 
 
-def block_shape(plan: ShardingPlan, model_cfg: Any, family: str, tokens: int) -> BlockShape:
-    """The local sizes of one block on a rank of ``plan`` (tp splits heads and mlp)."""
-    tp = plan.tp
-
-    def local(path: str, dim_name: str, full: int) -> int:
-        lay = plan.params.get(path)
-        if lay is None or lay.tp_dim is None or lay.axes[lay.tp_dim] != dim_name:
-            return full
-        return full // tp
-
-    heads, hd = model_cfg.n_heads, model_cfg.head_dim
-    if family == "llama":
-        kv = model_cfg.kv_heads
-        return BlockShape(family, tokens, model_cfg.d_model, local("blocks.0.attn.wq", "heads", heads),
-                          local("blocks.0.attn.wk", "kv_heads", kv), hd,
-                          local("blocks.0.mlp.w_gate", "mlp", model_cfg.d_ff),
-                          tp if plan.sequence_parallel else 1)
-    ff = model_cfg.ffn_dim if hasattr(model_cfg, "ffn_dim") else model_cfg.d_ff
-    return BlockShape(family, tokens, model_cfg.d_model, local("blocks.0.attn.wqkv", "heads", heads),
-                      local("blocks.0.attn.wqkv", "heads", heads), hd, local("blocks.0.mlp.w_in", "mlp", ff),
-                      tp if plan.sequence_parallel else 1)
+def block_shape(plan: ShardingPlan, model_cfg: Any, tokens: int) -> BlockShape:
+    """The local sizes of one block on a rank of ``plan``, read off block 0's parameters by
+    their logical axes (tp splits heads, kv heads and mlp where the rules say so)."""
+    sizes: dict[str, int] = {}
+    for lay in plan.params.values():
+        if not lay.path.startswith("blocks.0."):
+            continue
+        for dim, axis in enumerate(lay.axes):
+            split = lay.tp_size if lay.tp_dim == dim else 1
+            sizes[axis] = min(sizes.get(axis, lay.shape[dim]), lay.shape[dim] // split)
+    saved = getattr(model_for(model_cfg), "BLOCK_SAVED", None)
+    if saved is None:
+        raise ConfigError(f"model family of {type(model_cfg).__name__} declares no BLOCK_SAVED (what one block keeps "
+                          f"for its backward, fxmega.models.census): the memory estimate needs it")
+    heads = sizes.get("heads", model_cfg.n_heads)
+    return BlockShape(tuple(saved), tokens, model_cfg.d_model, heads, sizes.get("kv_heads", heads),
+                      sizes.get("head_dim", model_cfg.d_model // model_cfg.n_heads), sizes.get("mlp", 0),
+                      plan.tp if plan.sequence_parallel else 1)
 
 
 # -- the whole rank -------------------------------------------------------------------
@@ -250,10 +212,10 @@ def in_flight(plan: ShardingPlan, pp_rank: int, n_micro: int) -> float:
     return chunks / v
 
 
-def memory(plan: ShardingPlan, model_cfg: Any, family: str, work: Workload) -> list[MemoryEstimate]:
+def memory(plan: ShardingPlan, model_cfg: Any, work: Workload) -> list[MemoryEstimate]:
     """A ``MemoryEstimate`` per pp rank (one without pipeline parallelism)."""
     act = work.act_bytes
-    shape = block_shape(plan, model_cfg, family, work.tokens)
+    shape = block_shape(plan, model_cfg, work.tokens)
     vocab_local = plan.padded_vocab_size // (plan.tp if _vocab_split(plan) else 1)
     out = []
     for r in range(plan.mesh.size("pp")):
@@ -310,12 +272,12 @@ def _block_param_numel(plan: ShardingPlan, index: int) -> int:
 
 
 # -- communication ---------------------------------------------------------------------
-def communication(plan: ShardingPlan, model_cfg: Any, family: str, work: Workload,
+def communication(plan: ShardingPlan, model_cfg: Any, work: Workload,
                   bucket_numel: int = 40_000_000, pp_rank: int = 0) -> dict[str, AxisTraffic]:
     """Bytes each rank of pp rank ``pp_rank`` sends per step, and collectives, per mesh axis."""
     mesh, act = plan.mesh, work.act_bytes
     traffic: dict[str, AxisTraffic] = {}
-    shape = block_shape(plan, model_cfg, family, work.tokens)
+    shape = block_shape(plan, model_cfg, work.tokens)
     mine = [p for p in plan.params.values() if pp_rank in plan.pp_owners(p.path)]
     blocks = sorted({int(p.path.split(".")[1]) for p in mine if p.path.startswith("blocks.")})
     n = work.n_micro

@@ -54,9 +54,8 @@ class PlanEstimate:
 def estimate_plan(cfg: Any, plan: ShardingPlan) -> PlanEstimate:
 
     work = estimate.workload_of(cfg, plan.mesh.data_size)
-    family = family_name(cfg.model)
-    mem = estimate.memory(plan, cfg.model, family, work)
-    traffic = estimate.communication(plan, cfg.model, family, work, cfg.parallel.bucket_size)
+    mem = estimate.memory(plan, cfg.model, work)
+    traffic = estimate.communication(plan, cfg.model, work, cfg.parallel.bucket_size)
     return PlanEstimate(plan, work, mem, traffic)
 
 
