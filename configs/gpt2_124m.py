@@ -1,6 +1,6 @@
 """GPT-2 small (124M), with the batch and schedule of nanoGPT's OpenWebText run."""
 
-from fxmega.config import OptimConfig, RunConfig, TrainConfig
+from fxmega.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from fxmega.models import gpt
 
 config = RunConfig(
@@ -9,4 +9,6 @@ config = RunConfig(
     train=TrainConfig(steps=600_000, micro_batch_size=12, global_batch_size=480, seq_len=1024,
                       eval_interval=2000, eval_iters=200),
     optim=OptimConfig(lr=6e-4, min_lr=6e-5, warmup_steps=2000, weight_decay=0.1, beta2=0.95),
+    # GPT-2's own BPE (the rank file is fetched once into data/vocab)
+    data=DataConfig(tokenizer="gpt2"),
 )

@@ -1,7 +1,7 @@
 """Llama-2-70B: grouped-query attention (8 key/value heads), the Llama 2 paper's settings.
 A size to plan for (``run.py --config configs/llama2_70b.py --mesh 8x4x2 --plan``)."""
 
-from fxmega.config import ComputeConfig, OptimConfig, RunConfig, TrainConfig
+from fxmega.config import ComputeConfig, DataConfig, OptimConfig, RunConfig, TrainConfig
 from fxmega.models import llama
 
 config = RunConfig(
@@ -12,4 +12,7 @@ config = RunConfig(
                       eval_interval=1000, eval_iters=50),
     optim=OptimConfig(lr=1.5e-4, min_lr=1.5e-5, warmup_steps=2000, weight_decay=0.1, beta2=0.95, eps=1e-5),
     compute=ComputeConfig(precision="bf16", recompute="full"),
+    # Meta's SentencePiece model is licensed, not fetched: download tokenizer.model from the
+    # model's Hugging Face page and pass --tokenizer sentencepiece:PATH/tokenizer.model
+    data=DataConfig(tokenizer="sentencepiece:tokenizer.model"),
 )

@@ -1,6 +1,6 @@
 """Llama-2-7B: the architecture and the optimizer settings of the Llama 2 paper."""
 
-from fxmega.config import OptimConfig, RunConfig, TrainConfig
+from fxmega.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from fxmega.models import llama
 
 config = RunConfig(
@@ -10,4 +10,7 @@ config = RunConfig(
     train=TrainConfig(steps=500_000, micro_batch_size=1, global_batch_size=1024, seq_len=4096,
                       eval_interval=1000, eval_iters=50),
     optim=OptimConfig(lr=3e-4, min_lr=3e-5, warmup_steps=2000, weight_decay=0.1, beta2=0.95, eps=1e-5),
+    # Meta's SentencePiece model is licensed, not fetched: download tokenizer.model from the
+    # model's Hugging Face page and pass --tokenizer sentencepiece:PATH/tokenizer.model
+    data=DataConfig(tokenizer="sentencepiece:tokenizer.model"),
 )

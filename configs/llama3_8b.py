@@ -1,6 +1,6 @@
 """Llama-3-8B: 128K-token vocabulary, grouped-query attention with 8 key/value heads."""
 
-from fxmega.config import OptimConfig, RunConfig, TrainConfig
+from fxmega.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from fxmega.models import llama
 
 config = RunConfig(
@@ -10,4 +10,7 @@ config = RunConfig(
     train=TrainConfig(steps=500_000, micro_batch_size=1, global_batch_size=512, seq_len=8192,
                       eval_interval=1000, eval_iters=50),
     optim=OptimConfig(lr=3e-4, min_lr=3e-6, warmup_steps=2000, weight_decay=0.1, beta2=0.95, eps=1e-5),
+    # Meta's tokenizer is licensed, not fetched: download tokenizer.json from the model's
+    # Hugging Face page and pass --tokenizer hf:PATH/tokenizer.json
+    data=DataConfig(tokenizer="hf:tokenizer.json"),
 )

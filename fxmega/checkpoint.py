@@ -6,7 +6,9 @@ Layout under a checkpoint root::
     root/step_00000200/    one checkpoint
         .metadata          DCP's index of every tensor's shards
         __R_I.distcp       tensor data; rank R writes only its own shards
-        meta.json          step, data position, config, RNG: everything that is not a tensor
+        meta.json          step, data position, config, tokenizer, RNG: all that is not a tensor
+        vocab.json, ...    the tokenizer's files, copied (``files``), so the checkpoint
+                           describes itself: ``run.py generate --load`` needs nothing else
         manifest.json      size and CRC-32 of every file above, written last
     root/latest            text file naming the newest complete step directory
 
@@ -36,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fxmega.checkpoint_files import META, SafeReader, digests, read_meta, verify, write_manifest
+from fxmega.checkpoint_files import MANIFEST, META, SafeReader, digests, read_meta, verify, write_manifest
 from fxmega.errors import CheckpointError
 
 STEP_PREFIX = "step_"
@@ -70,12 +72,19 @@ class Checkpointer:
 
     def __init__(self, root: str | Path, keep_last: int = 0, async_save: bool = False) -> None:
         self.root, self.keep_last, self.async_save = Path(root), keep_last, async_save
-        self._pending: tuple[Future, Path, int, dict] | None = None
+        self._pending: tuple[Future, Path, int, dict, dict] | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="fxmega-checkpoint") if async_save else None
         self.blocked_s = 0.0  # time the caller waited on saves (for the benchmark and the log)
 
-    def save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:
-        """Start (async) or complete (sync) checkpoint ``step``; returns its final path."""
+    def save(self, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+             files: dict[str, Path] | None = None) -> Path:
+        """Start (async) or complete (sync) checkpoint ``step``; returns its final path.
+        ``files`` (name in the checkpoint -> a file now) are copied in by rank 0."""
+        files = files or {}
+        for name in files:  # flat names beside DCP's own files, never one of them
+            if Path(name).name != name or name in (META, MANIFEST, ".metadata") or name.startswith(("__", ".")):
+                raise CheckpointError(f"cannot store {name!r} in a checkpoint: use a plain file name that is not "
+                                      f"{META}, {MANIFEST}, .metadata or DCP's __R_I.distcp")
         t0 = time.perf_counter()
         self.wait()
         final = step_dir(self.root, step)
@@ -92,7 +101,7 @@ class Checkpointer:
                 rank = _rank()
                 # the CRCs of this rank's files are computed in the background too
                 summed = self._pool.submit(lambda: (written.result(), _my_digests(tmp, rank))[1])
-                self._pending = (summed, tmp, step, meta)
+                self._pending = (summed, tmp, step, meta, files)
             else:
                 try:
                     dcp.save(tensors, storage_writer=writer, no_dist=not _distributed())
@@ -100,7 +109,7 @@ class Checkpointer:
                     raise CheckpointError(f"saving step {step} into {tmp} failed ({type(e).__name__}: "
                                           f"{_first_line(e)}); the previous checkpoint and 'latest' are "
                                           f"untouched") from e
-                self._finish(tmp, step, meta)
+                self._finish(tmp, step, meta, files)
         self.blocked_s += time.perf_counter() - t0
         return final
 
@@ -109,13 +118,14 @@ class Checkpointer:
         if self._pending is None:
             return None
         t0 = time.perf_counter()
-        future, tmp, step, meta = self._pending
+        future, tmp, step, meta, files = self._pending
         self._pending = None
-        self._finish(tmp, step, meta, future.result())
+        self._finish(tmp, step, meta, files, future.result())
         self.blocked_s += time.perf_counter() - t0
         return step_dir(self.root, step)
 
-    def _finish(self, tmp: Path, step: int, meta: dict[str, Any], files: dict | None = None) -> None:
+    def _finish(self, tmp: Path, step: int, meta: dict[str, Any], extra: dict[str, Path],
+                files: dict | None = None) -> None:
         files = _my_digests(tmp, _rank()) if files is None else files
         if _distributed():
             everyone: list[dict] = [None] * _world()  # type: ignore[list-item]
@@ -123,7 +133,9 @@ class Checkpointer:
             files = {k: v for part in everyone for k, v in part.items()}
         if _rank() == 0:
             (tmp / META).write_text(json.dumps(meta, indent=1, sort_keys=True))
-            files |= digests(tmp, [".metadata", META])
+            for name, source in extra.items():
+                shutil.copyfile(source, tmp / name)
+            files |= digests(tmp, [".metadata", META, *extra])
             write_manifest(tmp, files)
             _test_pause(step)
             final = step_dir(self.root, step)
@@ -171,9 +183,9 @@ def _test_pause(step: int) -> None:
 
 
 def save(root: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
-         keep_last: int = 0) -> Path:
+         keep_last: int = 0, files: dict[str, Path] | None = None) -> Path:
     """A synchronous save (see ``Checkpointer``)."""
-    return Checkpointer(root, keep_last).save(step, tensors, meta)
+    return Checkpointer(root, keep_last).save(step, tensors, meta, files)
 
 
 def latest(root: str | Path) -> Path | None:

@@ -121,7 +121,8 @@ def _manifest_files(manifest: Path) -> dict[str, dict[str, int]]:
 # version may lack some; one that has them with another type is corrupted)
 META_FIELDS = {"step": int, "params_only": bool, "skipped_steps": int, "config": dict, "model_family": str,
                "data": (str, type(None)), "mesh": str, "rng": (str, type(None)), "loss_scaler": (dict, type(None)),
-               "consumed_samples": int, "task": str, "labels": list}
+               "consumed_samples": int, "task": str, "labels": list, "tokenizer": (str, type(None)),
+               "imported_from": dict}
 
 
 def read_meta(folder: Path) -> dict[str, Any]:

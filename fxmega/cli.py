@@ -9,6 +9,7 @@ Errors that fxmega raises on purpose are printed as one message, not a traceback
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Callable
@@ -19,8 +20,9 @@ from fxmega.config import RunConfig, load, override
 from fxmega.errors import ConfigError, FxmegaError
 from fxmega.evaluate import evaluate_checkpoint, report
 from fxmega.finetune import finetune
-from fxmega.generation_cli import generate_fn, generate_texts, load_model
+from fxmega.generation_cli import generate_fn, generate_texts, load_generator
 from fxmega.init import count_params
+from fxmega.model_loader import load_model, recorded_config, recorded_tokenizer
 from fxmega.models import family_name, model_for
 from fxmega.orbax_io import from_orbax, to_orbax
 from fxmega.serve import serve
@@ -29,7 +31,7 @@ from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.report import parse_bytes, plan_report
 from fxmega.sharding.strategy import plan_from
 from fxmega.summary import summary
-from fxmega.train import Run, train
+from fxmega.train import train
 
 # flag -> config key it sets
 FLAG_KEYS = {
@@ -166,8 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> RunConfig:
-    cfg = load(args.config)
+# commands that run a checkpoint: with --load alone they take the config it records
+FROM_CHECKPOINT = ("eval", "generate", "serve")
+
+
+def config_from_args(args: argparse.Namespace, base: RunConfig | None = None) -> RunConfig:
+    """``--config`` (or ``base``) with every flag and ``--set`` applied."""
+    cfg = load(args.config) if base is None else base
     assignments = [f"{key}={value}" for flag, key in FLAG_KEYS.items()
                    if (value := getattr(args, f"flag:{flag}")) is not None]
     if args.data_path:
@@ -176,12 +183,38 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     return override(cfg, assignments + args.overrides)
 
 
+def checkpoint_config(args: argparse.Namespace) -> RunConfig:
+    """The config to run ``--load``'s checkpoint with: ``--config`` when given (checkpoints
+    written before they described themselves need it), else the one the checkpoint records;
+    then the flags. The tokenizer is the checkpoint's unless ``--tokenizer`` or ``--set
+    data.tokenizer=`` names one."""
+    path = getattr(args, "flag:--load")
+    if not path:
+        if args.config:
+            return config_from_args(args)  # the command itself says that it needs --load
+        raise ConfigError(f"{args.command} needs --load CKPT (a checkpoint records its model and tokenizer), or "
+                          f"--config FILE with --load")
+    cfg = config_from_args(args, None if args.config else recorded_config(path))
+    chosen = getattr(args, "flag:--tokenizer") is not None or any(
+        o.split("=", 1)[0].strip() == "data.tokenizer" for o in args.overrides)
+    if not chosen:
+        spec = recorded_tokenizer(path)
+        if spec is not None or not args.config:  # an old checkpoint under --config keeps the config's
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec or ""))
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
         if args.command == "convert":
             return _convert(args)
+        if args.command in FROM_CHECKPOINT:
+            cfg = checkpoint_config(args).validate(None)
+            job = {"eval": _eval, "generate": lambda c, par, dev: _generate(c, par, dev, args),
+                   "serve": lambda c, par, dev: _serve(c, par, dev, args)}[args.command]
+            return _on_mesh(cfg, argv, job)
         if not args.config:
             raise ConfigError("--config is required: a Python config file, e.g. --config configs/tiny_gpt.py")
         if getattr(args, "flag:--mesh") == "auto":
@@ -203,12 +236,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "finetune":
             return _finetune(cfg, args, argv)
-        if args.command == "eval":
-            return _on_mesh(cfg, argv, _eval)
-        if args.command == "generate":
-            return _on_mesh(cfg, argv, lambda c, par, dev: _generate(c, par, dev, args))
-        if args.command == "serve":
-            return _on_mesh(cfg, argv, lambda c, par, dev: _serve(c, par, dev, args))
         return _on_mesh(cfg, argv, lambda c, par, dev: _train_job(c, par, dev, not args.no_progress))
     except FxmegaError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -227,20 +254,19 @@ def _convert(args: argparse.Namespace) -> int:
         else:
 
             family, cfg, params = from_orbax(source)
-        path = convert.save_params(save, family, cfg, params, str(source))
-        print(f"wrote {path}: {family}, {count_params(model_for(cfg).param_specs(cfg)):,} parameters (parameters "
-              f"only; train from it with --load {save} and a config whose model is:)\n  {cfg!r}")
+        spec = getattr(args, "flag:--tokenizer") or (convert.tokenizer_spec(source, family) if args.from_hf else None)
+        path = convert.save_params(save, family, cfg, params, str(source), spec)
+        print(f"wrote {path}: {family}, {count_params(model_for(cfg).param_specs(cfg)):,} parameters, tokenizer "
+              f"{spec or 'none (give --tokenizer SPEC to record one)'}; generate from it with --load {save} alone, "
+              f"or train from it with a config whose model is:\n  {cfg!r}")
         return 0
     target = args.to_hf or args.to_orbax
     if target:
-        if not (load and args.config):
-            raise ConfigError("convert --to-hf/--to-orbax DIR needs --load CKPT and the --config it was trained with")
-
-        cfg = override(config_from_args(args), ["data.source=mock", "train.compile=false", "train.device=cpu",
-                                                "train.load_dir="])
-        run = Run(cfg)
-        if not run.resume(load, params_only=True):
-            raise ConfigError(f"--load {load}: no checkpoint there")
+        if not load:
+            raise ConfigError("convert --to-hf/--to-orbax DIR needs --load CKPT (and, for a checkpoint written before "
+                              "checkpoints described themselves, the --config it was trained with)")
+        cfg = override(config_from_args(args, None if args.config else recorded_config(load)), ["train.device=cpu"])
+        run = load_model(cfg, path=load, with_tokenizer=False, command="convert --to-hf")
         if args.to_hf:
             path = convert.to_hf(family_name(cfg.model), cfg.model, run.params, target)
             print(f"wrote {path} (config.json, model.safetensors): loads with transformers' from_pretrained")
@@ -321,7 +347,7 @@ def _generate(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespa
 
     if not args.prompt:
         raise ConfigError("generate needs at least one --prompt TEXT")
-    run = load_model(cfg, parallel, device)
+    run = load_generator(cfg, parallel, device)
     texts = generate_texts(run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                            args.stop, cfg.train.seed)
     if parallel is None or parallel.rank == 0:
@@ -336,7 +362,7 @@ def _serve(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespace)
                           "from Python, the HTTP front end does not coordinate ranks yet")
     import threading
 
-    run = load_model(cfg, parallel, device)
+    run = load_generator(cfg, parallel, device)
     server = serve(generate_fn(run), run.tokenizer, args.host, args.port, max_context=cfg.model.max_seq_len,
                    max_prompt_tokens=cfg.model.max_seq_len - 1, model_name=cfg.name)
     print(f"serving {cfg.name} on {server.url}/v1/completions (Ctrl-C stops)", flush=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 from fxmega.data.gpt_dataset import parse_split
 from fxmega.errors import ConfigError
-from fxmega.models import family_name, model_for
+from fxmega.models import family_name, model_for, registry
 from fxmega.models.registry import ModelConfig
 from fxmega.sharding.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 
@@ -174,6 +174,34 @@ def to_dict(cfg: RunConfig) -> dict[str, Any]:
     out = dataclasses.asdict(cfg)
     out["model"]["family"] = family_name(cfg.model)
     return out
+
+
+def from_dict(d: dict[str, Any], family: str | None = None, where: str = "the config") -> RunConfig:
+    """The ``RunConfig`` that ``to_dict`` wrote (a checkpoint's ``config``): sections and
+    fields it lacks take their defaults; ``family`` names the model's family when
+    ``d["model"]`` does not. A field this version does not know is an error naming it."""
+    model = dict(d.get("model") or {})
+    name = model.pop("family", None) or family
+    if name is None:
+        raise ConfigError(f"{where} does not name its model family: give --config")
+    fields: dict[str, Any] = {"model": _build(registry.get(name).Config, model, f"{where}: model")}
+    for section in dataclasses.fields(RunConfig):
+        if section.name != "model" and section.name in d:
+            value = d[section.name]
+            fields[section.name] = value if section.name == "name" else \
+                _build(typing.get_type_hints(RunConfig)[section.name], value, f"{where}: {section.name}")
+    return RunConfig(**fields)
+
+
+def _build(cls: type, values: Any, where: str) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"{where} is {type(values).__name__}, not an object of {cls.__name__} fields")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{where} has {', '.join(unknown)}, which {cls.__name__} does not know (written by another "
+                          f"version of fxmega?): give --config")
+    return cls(**values)
 
 
 def override(cfg: Any, assignments: list[str]) -> Any:

@@ -17,23 +17,43 @@ from typing import Any
 import torch
 
 from fxmega import checkpoint, hf_files, hf_layout, tree
+from fxmega.checkpoint_files import digests
+from fxmega.data.tokenizer import portable
 from fxmega.errors import CheckpointError, ConfigError
 from fxmega.hf_bert import load_hf_dir
 from fxmega.json_files import check_fields
 from fxmega.models import gpt, llama
 
 
+def tensor_files(path: Path) -> list[str]:
+    """The safetensors files of a Hugging Face model directory (one, or the index's shards)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return hf_files.shard_names(index)
+    if (path / "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise CheckpointError(f"{path} has no model.safetensors (or an index of shards); fxmega reads safetensors "
+                          f"only, never pickled .bin files: re-save the model with safe_serialization=True")
+
+
+def tokenizer_spec(path: str | Path, family: str) -> str | None:
+    """The tokenizer a Hugging Face model directory ships, as a ``data.tokenizer`` spec:
+    GPT-2's vocab.json + merges.txt (read by tiktoken), else ``tokenizer.json``, else a
+    SentencePiece ``tokenizer.model``; None when it has none of them."""
+    path = Path(path)
+    if family == "gpt" and (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+        return f"gpt2-bpe:{path}"
+    if (path / "tokenizer.json").is_file():
+        return f"hf:{path / 'tokenizer.json'}"
+    if (path / "tokenizer.model").is_file():
+        return f"sentencepiece:{path / 'tokenizer.model'}"
+    return None
+
+
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = hf_files.shard_names(index)
-    elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{path} has no model.safetensors (or an index of shards); fxmega reads safetensors "
-                              f"only, never pickled .bin files: re-save the model with safe_serialization=True")
+    files = tensor_files(path)
     out: dict[str, torch.Tensor] = {}
     for name in files:
         out |= load_file(str(path / name))
@@ -130,10 +150,22 @@ def to_hf(family: str, cfg: Any, params: dict, path: str | Path) -> Path:
     return path
 
 
-def save_params(root: str | Path, family: str, cfg: Any, params: dict, source: str) -> Path:
-    """A parameters-only fxmega checkpoint (step 0) that ``--load`` initialises a run from."""
-
+def save_params(root: str | Path, family: str, cfg: Any, params: dict, source: str,
+                tokenizer: str | None = None, data_dir: str = "data") -> Path:
+    """A parameters-only fxmega checkpoint (step 0) that describes itself: its model config,
+    its tokenizer (the spec ``tokenizer``, its files copied in) and, for a Hugging Face
+    import, the files it read from ``source`` (size and CRC-32). ``--load`` initialises a
+    run from it; generate, eval and serve need nothing else."""
     tensors = {f"params.{p}": t.detach().to(torch.float32).contiguous() for p, t in tree.items(params)}
+    spec, files = portable(tokenizer, data_dir) if tokenizer else (None, {})
     meta = {"format": 1, "step": 0, "params_only": True, "model_family": family, "source": source,
-            "config": {"model": dataclasses.asdict(cfg)}}
-    return checkpoint.save(root, 0, tensors, meta)
+            "config": {"model": dataclasses.asdict(cfg)}, "tokenizer": spec}
+    folder = Path(source)
+    if (folder / "config.json").is_file():
+        # BERT's reader takes pytorch_model.bin too
+        names = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin", *files)
+        read = ["config.json", *[n for n in names if (folder / n).is_file()]]
+        if (folder / names[0]).is_file():
+            read += tensor_files(folder)
+        meta["imported_from"] = {"dir": str(folder.resolve()), "files": digests(folder, sorted(set(read)))}
+    return checkpoint.save(root, 0, tensors, meta, files=files)

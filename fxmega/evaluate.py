@@ -1,37 +1,106 @@
-"""``run.py eval``: loss and perplexity of a checkpoint on held-out data, on any mesh.
-
-The checkpoint's parameters are loaded onto this run's mesh (resharded as needed, as any
-``--load``), and the mean next-token loss is taken over ``train.eval_iters`` global batches
-of the validation split — the same sequences whatever the mesh. Perplexity is
-``exp(mean loss)`` over those tokens.
+"""Validation loss: the mean objective over ``train.eval_iters`` fixed global batches of the
+validation split — the same sequences whatever the mesh — and ``run.py eval``, which takes
+it of a checkpoint's parameters (``fxmega.model_loader``: no optimizer state, no training
+step) on any mesh. Perplexity is ``exp(mean loss)`` over those tokens.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from fxmega import kernels, precision, recompute, tree
 from fxmega.config import RunConfig
-from fxmega.errors import ConfigError
-from fxmega.train import Run
+from fxmega.data.batches import micro_batches
+from fxmega.data.sources import build_data
+from fxmega.model_loader import LoadedModel, load_model
+from fxmega.models import lm_loss_sum, loss_by_pieces
+from fxmega.objectives import global_count
+from fxmega.optim import AdamWHyper
+from fxmega.pipeline_step import PipelineStep
+from fxmega.sharding.runtime import Parallel
+from fxmega.step import EvalStep, LossSumFn
+
+Batch = dict[str, torch.Tensor]
 
 
-def evaluate_checkpoint(cfg: RunConfig, parallel: Any = None, device: torch.device | None = None) -> dict[str, Any]:
-    """Load ``cfg.train.load_dir`` and evaluate it; returns loss, perplexity and token count
-    (every rank takes part; every rank gets the same numbers)."""
+def my_micro_batches(batch: Batch, micro: int, parallel: Parallel | None, device: torch.device) -> list[Batch]:
+    """This data rank's micro batches of a global batch, on ``device``."""
+    parts = micro_batches(batch, micro) if parallel is None else \
+        micro_batches(batch, micro, parallel.data_rank, parallel.data_size)
+    return [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in parts]
 
+
+def one_device_loss_sum(specs: dict, model_cfg: Any, compute: Any) -> LossSumFn:
+    """The objective's summed loss over a batch on one device, from the flat fp32 parameters:
+    cast to the compute dtype (autograd casts the gradients back), run piece by piece."""
+    dtype = precision.compute_dtype(compute.precision)
+
+    def loss_sum(flat: list[torch.Tensor], batch: Batch) -> torch.Tensor:
+        return lm_loss_sum(tree.unflatten_like(specs, precision.cast(flat, dtype)), batch, model_cfg, compute=compute)
+    return loss_sum
+
+
+def micro_sums(step: EvalStep, params: dict, device: torch.device) -> Callable[[list[Batch]], torch.Tensor]:
+    """``sums`` for ``mean_loss`` from an eval step: the summed loss of each micro batch, added."""
+    return lambda micros: sum((step(params, m) for m in micros), torch.zeros((), device=device))
+
+
+def mean_loss(cfg: RunConfig, valid_data: Any, sums: Callable[[list[Batch]], torch.Tensor],
+              parallel: Parallel | None, device: torch.device, summed_over_data: bool = False) -> float:
+    """The mean loss per counted term over ``cfg.train.eval_iters`` global batches of
+    ``valid_data``; ``sums(micro batches)`` is this data rank's summed loss of its micro
+    batches (``summed_over_data``: already the sum over every data rank, as a pipeline's is)."""
     t = cfg.train
-    if not t.load_dir:
-        raise ConfigError("eval needs a checkpoint: --load CKPT (a checkpoint root or one step directory)")
-    run = Run(cfg, parallel, device)
-    if not run.resume(t.load_dir, params_only=True):
-        raise ConfigError(f"--load {t.load_dir}: no checkpoint there")
-    loss = run.evaluate()
+    total = torch.zeros((), device=device)
+    count = 0.0
+    with kernels.use(cfg.compute.kernels):
+        for i in range(t.eval_iters):
+            batch = valid_data.global_batch(i, t.global_batch_size)
+            count += float(global_count([batch]))
+            total += sums(my_micro_batches(batch, t.micro_batch_size, parallel, device))
+    if parallel is not None and not summed_over_data:
+        total = parallel.sum_over_data(total)
+    return float(total) / count
+
+
+def eval_sums(loaded: LoadedModel) -> tuple[Callable[[list[Batch]], torch.Tensor], bool]:
+    """``(sums, summed_over_data)`` for ``mean_loss`` on a loaded model: the compiled eval
+    step, or on a pipeline the schedule's forward over the stages."""
+    cfg, par = loaded.cfg, loaded.parallel
+    t = cfg.train
+    if par is not None and par.plan.pipeline is not None:
+        # the schedule's forward carries activations between the stages; no update is ever run
+        params = tree.map_leaves(lambda p: torch.nn.Parameter(p, requires_grad=True), loaded.params)
+        loaded.params = params
+        decay = [False] * len(tree.leaves(params))
+        pipe = PipelineStep(par, cfg.model, loaded.model, loaded.model.objective(cfg.model), params, decay,
+                            AdamWHyper(), 0.0, cfg.grad_accum_steps(par.data_size), t.compile, loaded.device,
+                            backend=t.compile_backend, options=recompute.inductor_options(False))
+        return pipe.eval_sum, True
+    if par is None:
+        loss_sum = one_device_loss_sum(loaded.specs, cfg.model, cfg.compute)
+    else:
+        loss_sum = par.loss_sum_fn(loss_by_pieces(cfg.model, par.compute))
+    return micro_sums(EvalStep(loss_sum, compile=t.compile, backend=t.compile_backend), loaded.params,
+                      loaded.device), False
+
+
+def evaluate_checkpoint(cfg: RunConfig, parallel: Parallel | None = None,
+                        device: torch.device | None = None) -> dict[str, Any]:
+    """Load ``cfg.train.load_dir``'s parameters and evaluate them; returns loss, perplexity and
+    token count (every rank takes part; every rank gets the same numbers)."""
+    loaded = load_model(cfg, parallel, device, with_tokenizer=False, command="eval")
+    data = build_data(cfg, loaded.model.objective(cfg.model).name)
+    sums, summed = eval_sums(loaded)
+    loss = mean_loss(cfg, data.valid, sums, parallel, loaded.device, summed)
+    t = cfg.train
     tokens = t.eval_iters * t.global_batch_size * t.seq_len
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": tokens, "checkpoint": t.load_dir,
-            "data": run.data.description}
+            "data": data.description}
 
 
 def report(result: dict[str, Any]) -> str:

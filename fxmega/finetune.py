@@ -28,6 +28,7 @@ from fxmega.data.batches import micro_batches
 from fxmega.data.classification import load_classification
 from fxmega.data.mlm import specials_for
 from fxmega.data.tokenizer import build_tokenizer
+from fxmega.device import pick_device, set_deterministic
 from fxmega.errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from fxmega.hf_bert import load_hf_dir
 from fxmega.init import init_params
@@ -42,7 +43,6 @@ from fxmega.sharding import distributed, layout
 from fxmega.sharding.mesh import parse_mesh
 from fxmega.spec import ZEROS, ParamSpec, normal
 from fxmega.step import TrainStep, compiled, trainable
-from fxmega.train import pick_device, set_deterministic
 
 Batch = dict[str, torch.Tensor]
 

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxmega import layers, tree
 from fxmega.generate import generate_cached
+from fxmega.model_loader import full_params
 from fxmega.sharding import layout
 
 # the heads dim of a cache tensor [batch, max_len, kv_heads, head_dim]
@@ -134,5 +135,5 @@ def generate_on_mesh(run: Any, prompts: list[list[int]], max_new_tokens: int, te
     if par is None:
         return generate_cached(run.model, run.params, cfg, *args)
     if par.tp_mesh is None or par.plan.pipeline is not None:
-        return generate_cached(run.model, run.full_params(), cfg, *args)
+        return generate_cached(run.model, full_params(run), cfg, *args)
     return generate_cached(TPDecoder(run.model, par), tp_params(par, run.params), cfg, *args)

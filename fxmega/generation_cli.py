@@ -11,25 +11,19 @@ from fxmega.config import RunConfig
 from fxmega.errors import ConfigError
 from fxmega.generate import generate_cached
 from fxmega.generate_parallel import generate_on_mesh
-from fxmega.models import family_name
+from fxmega.model_loader import LoadedModel, load_model
+from fxmega.models import family_name, model_for
 from fxmega.serve import cut_at_stop, stop_token_ids
-from fxmega.train import Run
+from fxmega.sharding.runtime import Parallel
 
 
-def load_model(cfg: RunConfig, parallel: Any = None, device: Any = None) -> Any:
-    """A ``Run`` holding ``--load``'s parameters (resharded onto the mesh), with a tokenizer."""
-
-    if family_name(cfg.model) == "bert":
-        raise ConfigError("generate/serve need a decoder (gpt or llama); BERT is an encoder")
-    if not cfg.train.load_dir:
-        raise ConfigError("generate/serve need a checkpoint: --load CKPT (a checkpoint root or one step directory)")
-    run = Run(cfg, parallel, device)
-    if run.tokenizer is None:
-        raise ConfigError("generate/serve need a tokenizer to turn text into ids: use the data source and "
-                          "data.tokenizer the model was trained with (data.source=mock has none)")
-    if not run.resume(cfg.train.load_dir, params_only=True):
-        raise ConfigError(f"--load {cfg.train.load_dir}: no checkpoint there")
-    return run
+def load_generator(cfg: RunConfig, parallel: Parallel | None = None, device: Any = None) -> LoadedModel:
+    """``--load``'s parameters (resharded onto the mesh) and the tokenizer, for generating:
+    no optimizer state, no data."""
+    if not hasattr(model_for(cfg.model), "init_cache"):
+        raise ConfigError(f"generate/serve need a decoder with a KV cache (gpt or llama); the "
+                          f"{family_name(cfg.model)} family has none (BERT is an encoder)")
+    return load_model(cfg, parallel, device, command="generate/serve")
 
 
 def generate_fn(run: Any) -> Any:

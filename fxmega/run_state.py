@@ -20,6 +20,7 @@ import torch
 
 from fxmega import checkpoint, tree
 from fxmega.config import to_dict
+from fxmega.data.tokenizer import portable
 from fxmega.errors import CheckpointError
 from fxmega.models import family_name
 
@@ -45,6 +46,15 @@ def tensors(run: Any, params_only: bool = False) -> dict[str, torch.Tensor]:
             for fqn, (t, lay, kind) in _targets(run, params_only).items()}
 
 
+def tokenizer_files(run: Any) -> tuple[str | None, dict[str, Path]]:
+    """The tokenizer spec a checkpoint of ``run`` records, reading its own copies of the
+    files, and those files (``fxmega.data.tokenizer.portable``); ``(None, {})`` for a run
+    without a tokenizer (synthetic data)."""
+    if getattr(run, "tokenizer", None) is None:
+        return None, {}
+    return portable(run.cfg.data.tokenizer, run.cfg.data.data_dir)
+
+
 def meta(run: Any, params_only: bool = False) -> dict[str, Any]:
 
     return {
@@ -52,7 +62,7 @@ def meta(run: Any, params_only: bool = False) -> dict[str, Any]:
         "data": run.data.description, "config": to_dict(run.cfg), "model_family": family_name(run.cfg.model),
         "mesh": run.parallel.spec.describe() if run.parallel is not None else "1", "params_only": params_only,
         "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(), "saved_at": time.time(),
-        "skipped_steps": run.skipped_steps,
+        "skipped_steps": run.skipped_steps, "tokenizer": tokenizer_files(run)[0],
         "loss_scaler": run.scaler.state_dict() if run.scaler is not None and not params_only else None,
     }
 

@@ -38,16 +38,12 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any
 from urllib.parse import urlsplit
 
+from fxmega.data.tokenizer import Tokenizer
+
 GenerateFn = Callable[..., list[list[int]]]
-
-
-class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int]) -> str: ...
 
 
 @dataclass(frozen=True)

@@ -19,10 +19,10 @@ from tqdm import tqdm
 
 from fxmega import checkpoint, faults, kernels, precision, recompute, run_state, tracking, tree
 from fxmega.config import RunConfig, to_dict
-from fxmega.data.batches import MockTokens, micro_batches
-from fxmega.data.mlm import MaskedLM, specials_for
 from fxmega.data.sources import build_data
+from fxmega.device import pick_device, set_deterministic
 from fxmega.errors import ConfigError, NonFiniteError
+from fxmega.evaluate import mean_loss, micro_sums, my_micro_batches, one_device_loss_sum
 from fxmega.generate import generate
 from fxmega.heartbeat import Heartbeat
 from fxmega.init import count_params, init_params
@@ -30,23 +30,13 @@ from fxmega.kernel_dump import dump_kernels
 from fxmega.logs import RunLog
 from fxmega.memory import peak_bytes, reset_peak
 from fxmega.metrics import Throughput, device_peak, model_flops_per_token
-from fxmega.models import family_name, lm_loss_sum, loss_by_pieces, model_for
+from fxmega.model_loader import full_params
+from fxmega.models import family_name, loss_by_pieces, model_for
 from fxmega.objectives import global_count
 from fxmega.optim import AdamWHyper, adamw_init, decay_mask
 from fxmega.pipeline_step import PipelineStep
 from fxmega.schedules import lr_at
 from fxmega.step import EvalStep, TrainStep, trainable
-
-
-def set_deterministic() -> None:
-    """Kernels that give bitwise the same result every run (an error, not a silent
-    nondeterministic fallback, where an op has no deterministic version)."""
-    import os
-
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it before its first call
-    torch.use_deterministic_algorithms(True)
-    if torch.cuda.is_available():
-        torch.backends.cudnn.benchmark = False
 
 
 def check_compute(cfg: RunConfig, parallel: Any, device: torch.device) -> None:
@@ -68,18 +58,6 @@ def check_compute(cfg: RunConfig, parallel: Any, device: torch.device) -> None:
     if parallel.plan.pipeline is not None:
         raise ConfigError("compute.loss_chunk is not supported with pipeline parallelism yet (the last stage "
                           "computes the loss from whole logits): set compute.loss_chunk=0")
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is available: use train.device=cpu or auto")
-    return torch.device(name)
-
-
-def _to(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
 class Run:
@@ -107,7 +85,7 @@ class Run:
         if parallel is None:
             self.params = trainable(init_params(self.specs, t.seed, self.device))
             self.opt_state = adamw_init(tree.leaves(self.params))
-            loss_sum = self._single_device_loss_sum
+            loss_sum = one_device_loss_sum(self.specs, cfg.model, cfg.compute)
         else:
             self.params = parallel.init_params(t.seed, self.device)
             self.opt_state = parallel.init_opt_state(self.device)
@@ -130,28 +108,11 @@ class Run:
             self.train_step = TrainStep(loss_sum, decay, hyper, cfg.optim.clip_grad, compile=t.compile,
                                         parallel=parallel, backend=t.compile_backend, options=options)
             self.eval_step = EvalStep(loss_sum, compile=t.compile, backend=t.compile_backend)
-        self.data = build_data(cfg)
+        self.data = build_data(cfg, self.model.objective(cfg.model).name)
         self.train_data, self.valid_data, self.tokenizer = self.data.train, self.data.valid, self.data.tokenizer
-        if family_name(cfg.model) == "bert":  # BERT pre-trains as a masked LM over the same token sources
-
-            specials = specials_for(self.tokenizer, cfg.model.vocab_size)
-            if cfg.data.source == "mock":  # synthetic ids below the three reserved for the specials
-                self.train_data, self.valid_data = (MockTokens(cfg.model.vocab_size - 3, t.seq_len, t.seed, split)
-                                                    for split in ("train", "valid"))
-            self.train_data, self.valid_data = (
-                MaskedLM(source, specials, cfg.model.vocab_size, t.seq_len, t.seed, split)
-                for source, split in ((self.train_data, "train"), (self.valid_data, "valid")))
-
-    def _single_device_loss_sum(self, flat: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        flat = precision.cast(flat, self.compute_dtype)  # fp32 masters, compute copies (autograd casts back)
-        return lm_loss_sum(tree.unflatten_like(self.specs, flat), batch, self.cfg.model, compute=self.cfg.compute)
 
     def _my_micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        micro = self.cfg.train.micro_batch_size
-        if self.parallel is None:
-            return [_to(b, self.device) for b in micro_batches(batch, micro)]
-        par = self.parallel
-        return [_to(b, self.device) for b in micro_batches(batch, micro, par.data_rank, par.data_size)]
+        return my_micro_batches(batch, self.cfg.train.micro_batch_size, self.parallel, self.device)
 
     def do_step(self) -> dict[str, float]:
         """One optimizer step on the next global batch; returns loss, lr and grad norm."""
@@ -210,41 +171,14 @@ class Run:
     def evaluate(self) -> float:
         """Mean validation loss over ``train.eval_iters`` fixed global batches (the same
         sequences whatever the mesh)."""
-        t = self.cfg.train
-        total = torch.zeros((), device=self.device)
-        count = 0.0
-        with kernels.use(self.cfg.compute.kernels):  # as in training: the compiled stages are shared
-            for i in range(t.eval_iters):
-                batch = self.valid_data.global_batch(i, t.global_batch_size)
-                count += float(global_count([batch]))
-                if self.pipelined:  # already summed over the pipeline and the data ranks
-                    total += self.train_step.eval_sum(self._my_micro_batches(batch))
-                    continue
-                for micro in self._my_micro_batches(batch):
-                    total += self.eval_step(self.params, micro)
-        if self.parallel is not None and not self.pipelined:
-            total = self.parallel.sum_over_data(total)
-        return float(total) / count
+        if self.pipelined:  # already summed over the pipeline and the data ranks
+            return mean_loss(self.cfg, self.valid_data, self.train_step.eval_sum, self.parallel, self.device, True)
+        return mean_loss(self.cfg, self.valid_data, micro_sums(self.eval_step, self.params, self.device),
+                         self.parallel, self.device)
 
     def full_params(self) -> dict:
         """The parameters as full, unsharded tensors (every rank takes part)."""
-        if self.parallel is None:
-            return self.params
-        flat = self.parallel.full_tensors(tree.leaves(self.params))
-        if self.pipelined:
-            return self._gather_stages(flat)
-        return tree.unflatten_like(self.specs, flat)
-
-    def _gather_stages(self, flat: list[torch.Tensor]) -> dict:
-        """The whole model on every rank from each pp rank's full stage tensors (an
-        all_gather_object over the pipeline: for sampling a small model, not for 70B)."""
-        import torch.distributed as dist
-
-        mine = {p: t.cpu() for p, t in zip(tree.paths(self.local_specs), flat)}
-        everyone: list[dict] = [None] * self.parallel.spec.size("pp")  # type: ignore[list-item]
-        dist.all_gather_object(everyone, mine, group=self.parallel.group(("pp",)).get_group())
-        merged = {p: t for part in everyone for p, t in part.items()}
-        return tree.map_with_path(lambda path, _: merged[path].to(self.device), self.specs)
+        return full_params(self)
 
     def save(self, root: str) -> str:
         """Save a checkpoint of this step under ``root`` (asynchronously with
@@ -252,7 +186,8 @@ class Run:
         t = self.cfg.train
         if self._checkpointer is None or self._checkpointer.root != Path(root):
             self._checkpointer = checkpoint.Checkpointer(root, t.keep_last, t.async_save)
-        return str(self._checkpointer.save(self.step, run_state.tensors(self), run_state.meta(self)))
+        files = run_state.tokenizer_files(self)[1]
+        return str(self._checkpointer.save(self.step, run_state.tensors(self), run_state.meta(self), files))
 
     def finish_saves(self) -> None:
         if self._checkpointer is not None:

@@ -7,7 +7,7 @@ import torch
 
 from fxmega import tree
 from fxmega.config import load, override
-from fxmega.models import family_name, loss_by_pieces, model_for
+from fxmega.models import loss_by_pieces, model_for
 from fxmega.sharding import distributed, estimate
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.strategy import plan_from

@@ -67,7 +67,7 @@ def test_command_line_import_then_train_then_export(tmp_path, capsys):
     hf = _random(_hf_gpt2()).float()
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "imported")]) == 0
-    assert "parameters only" in capsys.readouterr().out
+    assert "tokenizer none (give --tokenizer SPEC to record one)" in capsys.readouterr().out
     model = ["--set", "model.vocab_size=100", "--set", "model.max_seq_len=32", "--set", "model.n_layers=2"]
     common = ["--config", str(ROOT / "configs/tiny_gpt.py"), *model, "--no-compile", "--no-progress", "--mock-data"]
     # fine-tune from the imported weights on tp=2 (vocab 100 is even; no padding) in one process would need ranks:
@@ -79,6 +79,10 @@ def test_command_line_import_then_train_then_export(tmp_path, capsys):
     moved = sum(float((a - b).abs().sum().detach()) for a, b in zip(tuned.parameters(), hf.parameters()))
     assert 0 < moved  # two training steps changed the imported weights
     assert json.loads((tmp_path / "out" / "config.json").read_text())["n_layer"] == 2
+    # the checkpoint records its model: exporting needs --load alone, and gives the same files
+    assert main(["convert", "--load", str(tmp_path / "tuned"), "--to-hf", str(tmp_path / "again")]) == 0
+    again, out = (tmp_path / d / "model.safetensors" for d in ("again", "out"))
+    assert again.read_bytes() == out.read_bytes()
 
 
 def test_conversion_errors(tmp_path):

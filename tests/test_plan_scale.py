@@ -127,7 +127,8 @@ def test_activation_census_matches_autograd():
                 family = "llama" if model is llama else "gpt"
                 kv = mcfg.kv_heads if family == "llama" else mcfg.n_heads
                 ff = mcfg.d_ff if family == "llama" else mcfg.ffn_dim
-                shape = estimate.BlockShape(model.BLOCK_SAVED, 256, mcfg.d_model, 4 // tp, kv // tp, mcfg.head_dim, ff // tp, 1)
+                shape = estimate.BlockShape(model.BLOCK_SAVED, 256, mcfg.d_model, 4 // tp, kv // tp, mcfg.head_dim,
+                                            ff // tp, 1)
                 act = torch.finfo(dtype).bits // 8
                 stats = estimate.FP32 - act  # LayerNorm statistics: fp32 on GPUs, the input dtype on this CPU
                 n_stats = 4 if family == "gpt" else 0  # RMSNorm computes its statistics in fp32 itself

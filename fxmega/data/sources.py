@@ -17,6 +17,7 @@ from fxmega.data.blend import BlendedDataset, blend_counts, parse_data_path
 from fxmega.data.corpus import ensure_shakespeare
 from fxmega.data.gpt_dataset import GPTDataset, parse_split
 from fxmega.data.indexed import IndexedDataset, index_path
+from fxmega.data.mlm import MaskedLM, specials_for
 from fxmega.data.tokenizer import build_tokenizer
 from fxmega.errors import ConfigError, DataError
 
@@ -29,7 +30,23 @@ class Data:
     description: str  # what the batches come from, for the log and the checkpoint
 
 
-def build_data(cfg) -> Data:
+def build_data(cfg, objective: str = "causal-lm") -> Data:
+    """The train and validation batches for ``cfg`` and an objective by name: a masked
+    LM (``masked-lm``) reads the same token sources, masked (``fxmega.data.mlm``)."""
+    data = _token_data(cfg)
+    if objective != "masked-lm":
+        return data
+    t, vocab = cfg.train, cfg.model.vocab_size
+    specials = specials_for(data.tokenizer, vocab)
+    train, valid = data.train, data.valid
+    if cfg.data.source == "mock":  # synthetic ids below the three reserved for the specials
+        train, valid = (MockTokens(vocab - 3, t.seq_len, t.seed, split) for split in ("train", "valid"))
+    train, valid = (MaskedLM(source, specials, vocab, t.seq_len, t.seed, split)
+                    for source, split in ((train, "train"), (valid, "valid")))
+    return Data(train, valid, data.tokenizer, data.description)
+
+
+def _token_data(cfg) -> Data:
     t, d = cfg.train, cfg.data
     vocab = cfg.model.vocab_size
     if d.source == "mock":

@@ -21,6 +21,7 @@ missing one is named with the extra that installs it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -49,6 +50,18 @@ ENCODINGS = {
     "o200k_base": (O200K_PATTERN, {"<|endoftext|>": 199999, "<|endofprompt|>": 200018}),
 }
 EOD_TEXT = "<|endoftext|>"
+
+
+class Tokenizer(Protocol):
+    """What every tokenizer here has (and what the server and generation need)."""
+
+    name: str
+    vocab_size: int
+    eod: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
 
 
 class ByteTokenizer:
@@ -162,6 +175,42 @@ def build_tokenizer(spec: str, data_dir: str | Path = "data") -> ByteTokenizer |
                       f"sentencepiece:FILE.model")
 
 
+# where a checkpoint keeps a tokenizer's files: the spec it records reads them from there
+CHECKPOINT_DIR = "{checkpoint}"
+
+
+def portable(spec: str, data_dir: str | Path = "data") -> tuple[str, dict[str, Path]]:
+    """``spec`` made to travel with a checkpoint: the files it reads (name in the checkpoint
+    -> where they are now) and the spec that reads those copies, with ``{checkpoint}``
+    standing for the checkpoint's directory (``stored_spec`` fills it in). ``byte`` has no
+    files; ``gpt2`` becomes the rank file it fetched."""
+    kind, _, arg = str(spec).partition(":")
+    where = CHECKPOINT_DIR
+    if kind == "byte" and not arg:
+        return "byte", {}
+    if kind == "gpt2" and not arg:
+        return f"tiktoken:gpt2={where}/gpt2.tiktoken", {"gpt2.tiktoken": ensure_gpt2_ranks(data_dir)}
+    if kind == "gpt2-bpe" and arg:
+        vocab, merges = _bpe_files(arg)
+        return f"gpt2-bpe:{where}", {"vocab.json": _existing(vocab, "vocabulary"),
+                                     "merges.txt": _existing(merges, "merges file")}
+    if kind == "tiktoken" and arg:
+        name, _, path = arg.rpartition("=")
+        return (f"tiktoken:{name or _encoding_name_of(path)}={where}/tokenizer.tiktoken",
+                {"tokenizer.tiktoken": _existing(path, "tiktoken rank file")})
+    if kind == "hf" and arg:
+        return f"hf:{where}/tokenizer.json", {"tokenizer.json": _existing(arg, "tokenizer file")}
+    if kind == "sentencepiece" and arg:
+        return f"sentencepiece:{where}/tokenizer.model", {"tokenizer.model": _existing(arg, "SentencePiece model")}
+    build_tokenizer(spec)  # raises, naming the specs there are
+    raise AssertionError(spec)
+
+
+def stored_spec(recorded: str, checkpoint_dir: str | Path) -> str:
+    """The spec a checkpoint recorded (``portable``), reading the files in ``checkpoint_dir``."""
+    return recorded.replace(CHECKPOINT_DIR, str(checkpoint_dir))
+
+
 def tiktoken_from_file(path: str | Path, name: str) -> TiktokenTokenizer:
     if name not in ENCODINGS:
         raise ConfigError(f"tiktoken encoding {name!r} is unknown, so its split pattern is too; name one of "
@@ -259,7 +308,8 @@ def _first_line(e: Exception) -> str:
 def _existing(path: str | Path, what: str) -> Path:
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"{what} {p} does not exist")
+        raise DataError(f"{what} {p} does not exist: give the tokenizer the model was trained with, its files' paths "
+                        f"in data.tokenizer (--tokenizer; see fxmega.data.tokenizer for the forms)")
     return p
 
 

@@ -15,8 +15,8 @@ import torch
 
 from fxmega import layers, objectives
 from fxmega.errors import ConfigError
-from fxmega.models.checks import require_heads_divide, require_positive
 from fxmega.models.census import Saved
+from fxmega.models.checks import require_heads_divide, require_positive
 from fxmega.sharding.layout import shard
 from fxmega.spec import ONES, ZEROS, ParamSpec, normal
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from fxmega.errors import ConfigError
 from fxmega.kernel_dump import dump_kernels
-from fxmega.models import family_name, model_for
+from fxmega.models import model_for
 from fxmega.sharding import estimate, fake
 from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
 from fxmega.sharding.pipeline import SPLIT_BACKWARD

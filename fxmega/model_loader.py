@@ -1,0 +1,157 @@
+"""Parameters only: a model built for inference from a checkpoint, sharded as the mesh says,
+with no optimizer moments, no data pipeline and no training step. ``run.py eval``,
+``generate``, ``serve`` and ``convert --to-hf`` start from it.
+
+The parameters are allocated empty at this rank's local shapes (its tp/ZeRO shards, its
+pipeline stages' blocks) and DCP reads the checkpoint straight into them, resharding from
+whatever mesh saved it; nothing is initialised first and nothing is held twice, so loading a
+model costs about its parameter bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from fxmega import checkpoint, run_state, tree
+from fxmega.checkpoint_files import read_meta
+from fxmega.config import DataConfig, RunConfig, from_dict
+from fxmega.data.tokenizer import Tokenizer, build_tokenizer, stored_spec
+from fxmega.device import pick_device
+from fxmega.errors import ConfigError
+from fxmega.models import model_for
+from fxmega.models.registry import ModelFamily
+from fxmega.sharding.runtime import Parallel
+
+
+@dataclass
+class LoadedModel:
+    """A model's parameters on this rank, ready to run forward: what inference needs and no
+    more. ``specs`` is the whole model's tree, ``local_specs`` and ``params`` what this rank
+    holds (all of it on one device; its pipeline stages' blocks and its shards on a mesh)."""
+
+    cfg: RunConfig
+    model: ModelFamily
+    specs: dict
+    local_specs: dict
+    params: dict
+    parallel: Parallel | None
+    device: torch.device
+    tokenizer: Tokenizer | None = None
+    checkpoint: Path | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def main(self) -> bool:
+        """Whether this process is rank 0 (the one that prints)."""
+        return self.parallel is None or self.parallel.rank == 0
+
+
+def empty_params(specs: dict, parallel: Parallel | None, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> dict:
+    """Uninitialised tensors at this rank's local shapes (``parallel.specs``' layouts on a
+    mesh, the specs' own shapes on one device): for a checkpoint to be read into."""
+    if parallel is None:
+        return tree.map_leaves(lambda spec: torch.empty(spec.shape, dtype=dtype, device=device), specs)
+    return tree.map_leaves(lambda lay: torch.empty(lay.local_shape("param"), dtype=dtype, device=device),
+                           parallel.layout_tree)
+
+
+class ParamHolder(Protocol):
+    """What holds a model's parameters on this rank: a ``LoadedModel`` or a training ``Run``."""
+
+    parallel: Parallel | None
+    specs: dict
+    local_specs: dict
+    params: dict
+    device: torch.device
+
+
+def full_params(holder: ParamHolder) -> dict:
+    """The whole model's parameters as full, unsharded tensors on every rank (every rank takes
+    part). Pipeline stages are exchanged with an all_gather_object over pp: for sampling and
+    exporting a small model, not for 70B."""
+    par = holder.parallel
+    if par is None:
+        return holder.params
+    flat = par.full_tensors(tree.leaves(holder.params))
+    if par.plan.pipeline is None:
+        return tree.unflatten_like(holder.specs, flat)
+    mine = {p: t.cpu() for p, t in zip(tree.paths(holder.local_specs), flat)}
+    everyone: list[dict] = [None] * par.spec.size("pp")  # type: ignore[list-item]
+    dist.all_gather_object(everyone, mine, group=par.group(("pp",)).get_group())
+    merged = {p: t for part in everyone for p, t in part.items()}
+    return tree.map_with_path(lambda path, _: merged[path].to(holder.device), holder.specs)
+
+
+def recorded(path: str) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint ``--load path`` names and its meta (read, not yet verified: loading
+    verifies every file)."""
+    found = checkpoint.resolve(path)
+    if found is None:
+        raise ConfigError(f"--load {path}: no checkpoint there (no 'latest' and no step directory)")
+    return found, read_meta(found)
+
+
+def recorded_config(path: str) -> RunConfig:
+    """The run config a checkpoint records (a training run's whole config; a converted
+    model's model section, the rest at their defaults)."""
+    found, meta = recorded(path)
+    saved = meta.get("config")
+    if not saved or "model" not in saved:
+        raise ConfigError(f"{found} records no model config (a checkpoint written before checkpoints described "
+                          f"themselves): give --config FILE with the model it was trained with")
+    cfg = from_dict(saved, meta.get("model_family"), where=f"{found / 'meta.json'}")
+    if "train" not in saved:  # a converted model: sequences as long as its context, not the default
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=cfg.model.max_seq_len))
+    return cfg if "name" in saved else dataclasses.replace(cfg, name=found.parent.name)
+
+
+def recorded_tokenizer(path: str) -> str | None:
+    """The tokenizer spec to read a checkpoint's text with: the one it recorded (its own
+    copies of the files), else the one its saved run config names; None when it says
+    nothing (a model converted before checkpoints recorded their tokenizer)."""
+    found, meta = recorded(path)
+    if meta.get("tokenizer"):
+        return stored_spec(meta["tokenizer"], found)
+    data = (meta.get("config") or {}).get("data")
+    return DataConfig(**data).tokenizer if isinstance(data, dict) and "tokenizer" in data else None
+
+
+def load_model(cfg: RunConfig, parallel: Parallel | None = None, device: torch.device | None = None,
+               path: str | None = None, with_tokenizer: bool = True, command: str = "this command") -> LoadedModel:
+    """``cfg.model``'s parameters from the checkpoint at ``path`` (default ``train.load_dir``:
+    a checkpoint root or one step directory), on one device or this rank's shards of them,
+    with the tokenizer ``cfg.data.tokenizer`` names (``with_tokenizer``). Every rank calls;
+    ``command`` names the caller in errors."""
+    path = path or cfg.train.load_dir
+    if not path:
+        raise ConfigError(f"{command} needs a checkpoint: --load CKPT (a checkpoint root or one step directory)")
+    found = checkpoint.resolve(path)
+    if found is None:
+        raise ConfigError(f"--load {path}: no checkpoint there (no 'latest' and no step directory)")
+    if with_tokenizer and not cfg.data.tokenizer:
+        raise ConfigError(f"{found} records no tokenizer (converted before checkpoints recorded one): give the "
+                          f"tokenizer the model was trained with, e.g. --tokenizer gpt2 (GPT-2), --tokenizer "
+                          f"hf:DIR/tokenizer.json (Llama, from the model's Hugging Face directory)")
+    model = model_for(cfg.model)
+    specs = model.param_specs(cfg.model)
+    local = specs if parallel is None else parallel.specs
+    device = device or pick_device(cfg.train.device)
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.data_dir) if with_tokenizer else None
+    if tokenizer is not None and cfg.model.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the {tokenizer.name} tokenizer's "
+                          f"{tokenizer.vocab_size:,} tokens: this is not the tokenizer the model was trained with; "
+                          f"set data.tokenizer (--tokenizer) to that one")
+    loaded = LoadedModel(cfg, model, specs, local, empty_params(local, parallel, device), parallel, device, tokenizer,
+                         found)
+    with torch.no_grad():
+        loaded.meta = run_state.load_into(loaded, found, params_only=True)
+    if loaded.main:
+        print(f"loaded the parameters of {found}", flush=True)
+    return loaded

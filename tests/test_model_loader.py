@@ -1,0 +1,73 @@
+"""The parameters-only loader (``fxmega.model_loader``): what inference builds from a
+checkpoint is the parameters and nothing else — no optimizer moments, no data, no step."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fxmega import tree
+from fxmega.config import load, override
+from fxmega.errors import ConfigError
+from fxmega.model_loader import load_model
+from fxmega.train import Run
+from tests.conftest import ROOT
+
+FACTORIES = {"empty", "empty_strided", "zeros", "ones", "full", "rand", "randn", "normal", "zeros_like", "empty_like",
+             "ones_like", "clone", "new_empty", "new_zeros", "arange"}
+
+
+class Allocations(TorchDispatchMode):
+    """Bytes of every tensor a factory op (or a clone) creates, by op name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name in FACTORIES and isinstance(out, torch.Tensor):
+            self.bytes[name] = self.bytes.get(name, 0) + out.numel() * out.element_size()
+        return out
+
+
+def _cfg(*extra: str):
+    return override(load(ROOT / "configs" / "tiny_gpt.py"), ["data.source=mock", "train.compile=false", *extra])
+
+
+def test_loading_allocates_the_parameters_and_nothing_else(tmp_path, monkeypatch):
+    cfg = _cfg()
+    run = Run(cfg)
+    run.step = 3
+    run.save(str(tmp_path))
+    param_bytes = sum(t.numel() * t.element_size() for t in tree.leaves(run.params))
+
+    # no data source may be touched: every builder of batches fails loudly here
+    import fxmega.data.sources as sources
+    monkeypatch.setattr(sources, "_token_data", lambda *a: pytest.fail("the loader built a data pipeline"))
+    with Allocations() as seen:
+        loaded = load_model(cfg, path=str(tmp_path), with_tokenizer=False)
+    assert sum(seen.bytes.values()) == param_bytes, seen.bytes  # not 3x (AdamW's two moments), not more
+    assert not hasattr(loaded, "opt_state") and not hasattr(loaded, "train_step") and not hasattr(loaded, "data")
+    for path, want in tree.items(run.params):
+        got = dict(tree.items(loaded.params))[path]
+        assert torch.equal(got, want.detach()), path  # bitwise: read back, not re-initialised
+        assert not got.requires_grad
+
+
+def test_loading_names_the_missing_checkpoint(tmp_path):
+    with pytest.raises(ConfigError, match=r"eval needs a checkpoint: --load CKPT"):
+        load_model(_cfg(), command="eval")
+    with pytest.raises(ConfigError, match=f"--load {tmp_path}: no checkpoint there"):
+        load_model(_cfg(), path=str(tmp_path))
+
+
+def test_a_tokenizer_smaller_than_the_vocabulary_is_the_only_refusal_of_a_wider_model(tmp_path):
+    """A byte tokenizer for a 256-id model loads; a model whose vocabulary is narrower than
+    its tokenizer's cannot have been trained with it."""
+    cfg = _cfg()
+    Run(cfg).save(str(tmp_path))
+    assert load_model(cfg, path=str(tmp_path)).tokenizer.vocab_size == 256
+    narrow = _cfg("model.vocab_size=200")
+    with pytest.raises(ConfigError, match=r"model.vocab_size=200 is smaller than the byte tokenizer's 256"):
+        load_model(narrow, path=str(tmp_path))
