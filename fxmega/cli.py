@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +28,7 @@ from fxmega.model_loader import load_model, recorded_config, recorded_tokenizer
 from fxmega.models import family_name, model_for
 from fxmega.orbax_io import from_orbax, to_orbax
 from fxmega.serve import serve
+from fxmega.serve_mesh import Leader, follow
 from fxmega.sharding import auto, distributed, visualize
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.report import parse_bytes, plan_report
@@ -355,23 +358,40 @@ def _generate(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespa
             print(f"{prompt}{text}\n" + "-" * 40, flush=True)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def _serve(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespace) -> None:
-
-    if parallel is not None:
-        raise ConfigError("serve runs on one device for now (--mesh 1): a tp mesh serves through generate_on_mesh "
-                          "from Python, the HTTP front end does not coordinate ranks yet")
-    import threading
-
+    """An HTTP completion server on one device, or on a mesh: rank 0 answers HTTP and the
+    other ranks follow its requests (``fxmega.serve_mesh``)."""
     run = load_generator(cfg, parallel, device)
-    server = serve(generate_fn(run), run.tokenizer, args.host, args.port, max_context=cfg.model.max_seq_len,
-                   max_prompt_tokens=cfg.model.max_seq_len - 1, model_name=cfg.name)
-    print(f"serving {cfg.name} on {server.url}/v1/completions (Ctrl-C stops)", flush=True)
+    if parallel is not None and parallel.rank != 0:
+        # a follower waits inside a collective, where no Python signal handler runs: let the
+        # launcher's SIGTERM or a terminal's Ctrl-C end it at once
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        follow(run)
+        sys.stdout.flush()
+        os._exit(0)  # no teardown barrier: rank 0 may be gone already
+    leader = Leader(run, cfg.parallel.timeout_s / 4) if parallel is not None else None
+    server = serve(leader or generate_fn(run), run.tokenizer, args.host, args.port,
+                   max_context=cfg.model.max_seq_len, max_prompt_tokens=cfg.model.max_seq_len - 1,
+                   model_name=cfg.name)
+    where = f"mesh {parallel.spec.describe()}; " if parallel is not None else ""
+    print(f"serving {cfg.name} on {server.url}/v1/completions ({where}Ctrl-C stops)", flush=True)
+    # a launcher stops its workers with SIGTERM: stop as on Ctrl-C, so the followers are sent home
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         threading.Event().wait()
     except KeyboardInterrupt:
         pass
     finally:
         server.stop()
+    if leader is not None:
+        leader.close(timeout_s=5.0)  # followers the launcher has not stopped yet go home
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def _on_mesh(cfg: RunConfig, argv: list[str], job: Callable[[RunConfig, Any, Any], None]) -> int:

@@ -1,34 +1,70 @@
-"""Sampling text from a language model.
+"""Generating tokens with a KV cache: one loop for every mesh.
 
-Two generators:
+``decode(decoder, cfg, prompts, ...)`` is the loop: request checks, left padding, one prefill
+of every prompt together, then one token per step attending over the cache, sampling, stop
+tokens. Prompts of different lengths are left-padded, so that every row writes at the same
+cache slot each step and its next token's logits are always at the last position; each row
+keeps its own positions and never reads the padding, so a prompt gives the tokens it would
+give alone. Prompt plus new tokens must fit in ``cfg.max_seq_len``.
 
-* ``generate(forward, ...)``: no cache; each new token re-runs the model on the last
-  ``max_seq_len`` tokens (a sliding window, so any length works). Simple, and fine for the
-  small models trained here; ``Run.sample`` uses it.
-* ``generate_cached(model, params, cfg, prompts, ...)``: a KV cache per layer (see
-  ``layers.cache_write``). The prompts are run once, together (prefill), then one token per
-  step attends over the cache: each step costs one token's compute instead of the whole
-  sequence's. Prompts of different lengths are left-padded, so that every row writes at the
-  same cache slot each step and its next token's logits are always at the last position; each
-  row keeps its own positions and never reads the padding, so a prompt gives the tokens it
-  would give alone. Prompt plus new tokens must fit in ``cfg.max_seq_len``.
-
-``sample_text`` is ``Run.sample`` on the cached generator: text in, text out.
+A ``Decoder`` is the model's forward by pieces while decoding
+(``fxmega.models.pieces.decode_pieces``) wherever its parameters are: ``LocalDecoder`` on one
+device; ``fxmega.generate_parallel.MeshDecoder`` split over tp and staged over pp. Every
+decoder returns the same full logits on every rank, so every rank samples the same token
+from the same seeded generator without a broadcast. ``generate_cached(model, params, cfg,
+...)`` is the loop on one device; ``sample_text`` is text in, text out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-ForwardFn = Callable[[dict, torch.Tensor], torch.Tensor]
+from fxmega import layers
+from fxmega.models.pieces import blocks_of, decode_pieces, init_cache
+
+Cache = dict[int, layers.KV]  # global block index -> (keys, values)
+GenerateFn = Callable[..., list[list[int]]]  # (prompts, max_new_tokens, temperature, ...) -> new ids per prompt
 
 # fed to rows of a batch that have stopped, and placed left of shorter prompts: any valid id
 # works, since no real token ever attends to it
 PAD_ID = 0
+
+
+class Decoder(Protocol):
+    """A model's forward while decoding, wherever its parameters are."""
+
+    dtype: torch.dtype  # of the cache and the activations
+    device: torch.device
+
+    def init_cache(self, batch: int, max_len: int) -> Cache: ...
+
+    def forward(self, tokens: torch.Tensor, cache: Cache, start: int, pad: torch.Tensor, max_len: int,
+                last_only: bool = False) -> tuple[torch.Tensor, Cache]:
+        """Logits ``[batch, new or 1, >= vocab]`` (a plain tensor, the same on every rank) for
+        ``tokens [batch, new]`` written at cache slots ``[start, start + new)``; ``pad [batch]``
+        counts each row's left padding. ``cache`` itself is unchanged."""
+        ...
+
+
+class LocalDecoder:
+    """The forward by pieces over parameters held whole on this device."""
+
+    def __init__(self, model: Any, params: dict, cfg: Any) -> None:
+        self.model, self.params, self.cfg = model, params, cfg
+        weight = params["embed"]["tokens"]
+        self.dtype, self.device = weight.dtype, weight.device
+
+    def init_cache(self, batch: int, max_len: int) -> Cache:
+        return init_cache(self.model, self.cfg, [i for i, _ in blocks_of(self.params)], batch, max_len, self.dtype,
+                          self.device)
+
+    def forward(self, tokens: torch.Tensor, cache: Cache, start: int, pad: torch.Tensor, max_len: int,
+                last_only: bool = False) -> tuple[torch.Tensor, Cache]:
+        write = self.model.decode_write(self.cfg, start, tokens.shape[1], max_len, pad)
+        return decode_pieces(self.model, self.params, tokens, self.cfg, cache, write, last_only=last_only)
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int,
@@ -52,18 +88,6 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int,
         logits = logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-@torch.no_grad()
-def generate(forward: ForwardFn, params: dict, prompt: torch.Tensor, max_new_tokens: int, max_seq_len: int,
-             temperature: float = 0.8, top_k: int = 0, seed: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Extend ``prompt [batch, seq]`` by ``max_new_tokens`` sampled tokens (no cache)."""
-    generator = torch.Generator(device=prompt.device).manual_seed(seed)
-    tokens = prompt
-    for _ in range(max_new_tokens):
-        logits = forward(params, tokens[:, -max_seq_len:])[:, -1]
-        tokens = torch.cat([tokens, sample_next(logits, temperature, top_k, generator, top_p)[:, None]], dim=1)
-    return tokens
 
 
 def check_request(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
@@ -95,33 +119,33 @@ def check_request(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: in
 
 
 @torch.no_grad()
-def generate_cached(model: ModuleType, params: dict, cfg: Any, prompts: Sequence[Sequence[int]],
-                    max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                    stop_tokens: Sequence[int] = (), seed: int = 0) -> list[list[int]]:
-    """The new tokens for each prompt, generated with a KV cache by ``model`` (a model module
-    such as ``fxmega.models.gpt``: ``init_cache`` and ``decode_forward``).
+def decode(decoder: Decoder, cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop_tokens: Sequence[int] = (),
+           seed: int = 0) -> list[list[int]]:
+    """The new tokens for each prompt, generated with ``decoder``'s KV cache.
 
     Sampling as ``sample_next`` (greedy at temperature 0), from a ``torch.Generator`` seeded
     with ``seed``: the same call gives the same tokens. A sequence ends at the first token in
     ``stop_tokens``, which is not returned; so a list shorter than ``max_new_tokens`` means that
     sequence stopped. Stopped rows are fed padding while the others go on, and their output
-    is not extended; generation ends when every row has stopped.
+    is not extended; generation ends when every row has stopped. On a mesh every rank calls
+    with the same arguments and returns the same tokens.
     """
     check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p)
     if not prompts or max_new_tokens == 0:
         return [[] for _ in prompts]
-    weight = params["embed"]["tokens"]
-    device, dtype = weight.device, weight.dtype
+    device = decoder.device
     lengths = [len(p) for p in prompts]
     longest = max(lengths)
+    total = longest + max_new_tokens
     pad = torch.tensor([longest - n for n in lengths], dtype=torch.long, device=device)
     tokens = torch.tensor([[PAD_ID] * (longest - len(p)) + [int(t) for t in p] for p in prompts],
                           dtype=torch.long, device=device)
     stop = torch.tensor(sorted({int(t) for t in stop_tokens}), dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    cache = model.init_cache(cfg, len(prompts), longest + max_new_tokens, dtype, device)
+    cache = decoder.init_cache(len(prompts), total)
 
-    logits, cache = model.decode_forward(params, tokens, cfg, cache, 0, pad, last_only=True)
+    logits, cache = decoder.forward(tokens, cache, 0, pad, total, last_only=True)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     steps = []
     for step in range(max_new_tokens):
@@ -132,7 +156,7 @@ def generate_cached(model: ModuleType, params: dict, cfg: Any, prompts: Sequence
         done = done | torch.isin(nxt, stop)
         if step == max_new_tokens - 1 or bool(done.all()):
             break
-        logits, cache = model.decode_forward(params, nxt[:, None], cfg, cache, longest + step, pad, last_only=True)
+        logits, cache = decoder.forward(nxt[:, None], cache, longest + step, pad, total, last_only=True)
 
     stop_set = {int(t) for t in stop_tokens}
     out = []
@@ -142,17 +166,35 @@ def generate_cached(model: ModuleType, params: dict, cfg: Any, prompts: Sequence
     return out
 
 
-def sample_text(model: ModuleType, params: dict, cfg: Any, tokenizer: Any, prompt: str, max_new_tokens: int,
+def generate_cached(model: Any, params: dict, cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop_tokens: Sequence[int] = (),
+                    seed: int = 0) -> list[list[int]]:
+    """``decode`` on one device, over ``model``'s (a family such as ``fxmega.models.gpt``) whole
+    parameters."""
+    return decode(LocalDecoder(model, params, cfg), cfg, prompts, max_new_tokens, temperature, top_k, top_p,
+                  stop_tokens, seed)
+
+
+def sample_text(generate_fn: GenerateFn, cfg: Any, tokenizer: Any, prompt: str, max_new_tokens: int,
                 temperature: float = 0.8, top_k: int = 40, top_p: float = 1.0, seed: int = 0,
                 stop_tokens: Sequence[int] = ()) -> str:
-    """``prompt`` followed by up to ``max_new_tokens`` generated tokens, decoded: what
-    ``Run.sample`` returns, on the cached generator. Like the uncached window, a prompt too long
-    to leave room for the new tokens keeps only its last tokens (``max_seq_len -
-    max_new_tokens`` of them); ``max_new_tokens`` itself must be below ``max_seq_len``."""
-    if max_new_tokens >= cfg.max_seq_len:
-        raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt in max_seq_len="
-                         f"{cfg.max_seq_len}; ask for at most {cfg.max_seq_len - 1} tokens")
-    ids = tokenizer.encode(prompt)
-    kept = ids[len(ids) - min(len(ids), cfg.max_seq_len - max_new_tokens):]
-    new = generate_cached(model, params, cfg, [kept], max_new_tokens, temperature, top_k, top_p, stop_tokens, seed)
-    return tokenizer.decode(ids + new[0])
+    """``prompt`` followed by up to ``max_new_tokens`` tokens from ``generate_fn`` (``decode``
+    bound to a decoder, or ``generate_on_mesh`` bound to a model), decoded: what
+    ``Run.sample`` returns.
+
+    What fits in the model's context (``cfg.max_seq_len``) is one call. A longer text is
+    generated in windows, as a sliding window would: each call conditions on the last tokens
+    so far (at least half the context) and adds at most the other half, its cache and
+    positions starting afresh; window ``i`` samples with ``seed + i``. A prompt too long for
+    its window keeps only its last tokens."""
+    window, keep = cfg.max_seq_len, cfg.max_seq_len // 2
+    out = tokenizer.encode(prompt)
+    left, rounds = max_new_tokens, 0
+    while left > 0:
+        n = left if len(out) + left <= window else min(left, window - keep)
+        new = generate_fn([out[-(window - n):]], n, temperature=temperature, top_k=top_k, top_p=top_p,
+                          stop_tokens=stop_tokens, seed=seed + rounds)[0]
+        out, left, rounds = out + new, left - len(new), rounds + 1
+        if len(new) < n:  # a stop token
+            break
+    return tokenizer.decode(out)

@@ -1,44 +1,44 @@
-"""Generation with the KV cache on a sharded run's mesh: tensor-parallel decoding, as Megatron
-serves a model too large for one device.
+"""Generation on a sharded run's mesh: tensor-parallel decoding within each pipeline stage,
+stages passing activations, as Megatron serves a model too large for one device.
 
-``generate_on_mesh(run, prompts, ...)`` is ``generate.generate_cached`` (same arguments, same
-return, the same loop: request checks, left padding, sampling, stop tokens) on ``run``'s
-parameters where they are. With tp > 1 the loop is handed a model (``TPDecoder``) whose
-``init_cache`` and ``decode_forward`` run on this rank's shards:
+``generate_on_mesh(holder, prompts, ...)`` is ``generate.decode`` (same arguments, same return,
+the same loop) with a ``MeshDecoder`` over the parameters where they are:
 
-* the parameters stay split as in training (heads, kv heads, mlp and the padded vocabulary over
-  tp), wrapped as DTensors over the tp mesh; the forward runs under ``layout.activate``, so the
-  model's own ``shard``/``local`` annotations give Megatron's column- and row-parallel layouts;
-* each layer's cache holds only this rank's heads: a DTensor split over heads (dim 2), locally
-  ``[batch, max_len, kv_heads / tp, head_dim]``;
-* each step's last-position logits, split over the vocabulary, are all-gathered (``[batch, 1,
-  padded vocab]``: a few KB, against the per-layer all-reduces of the forward), so every rank
-  holds bitwise the same logits. Greedy argmax and sampling from the same seeded generator then
-  pick the same token on every rank with no broadcast; ``generate_cached`` drops the padding
-  columns (beyond ``cfg.vocab_size``) before it samples;
-* sequence parallelism is off while decoding: a step has one token per row, nothing to split.
+* **tp**: the parameters stay split as in training (heads, kv heads, mlp and the padded
+  vocabulary over tp), wrapped as DTensors over the tp mesh; the pieces run under
+  ``layout.activate``, so the model's own ``shard``/``local`` annotations give Megatron's
+  column- and row-parallel layouts. Each block's cache holds only this rank's heads (a
+  DTensor split over heads, locally ``[batch, max_len, kv_heads / tp, head_dim]``). The last
+  position's logits, split over the vocabulary, are gathered (a few KB against the per-layer
+  all-reduces), so every rank holds the same logits; sequence parallelism is off while
+  decoding (a step has one token per row, nothing to split).
+* **pp**: each pp rank holds its stages' blocks and caches only those; a stage's output goes
+  to the next stage's rank (a point-to-point send over pp), and the last stage's logits are
+  broadcast over pp. Interleaved layouts (several stages per rank) work the same way.
+* **data axes** (dp, ZeRO, FSDP): ZeRO-3/FSDP shards are gathered over the data axes once
+  (decoding reads each parameter whole at every step) and every data replica decodes the
+  whole batch itself.
 
-Every rank must call, with the same prompts and settings. Other meshes take the simple route:
-without ``run.parallel`` it is ``generate_cached`` on ``run.params``; with tp = 1 (data
-parallelism, ZeRO, FSDP) or with pipeline stages, the full parameters are gathered once
-(``run.full_params``) and every rank decodes the whole batch itself. With data axes next to tp,
-ZeRO-3/FSDP shards are gathered over the data axes only, and every data replica decodes the
-whole batch. Parameters are used in their stored dtype (fp32 masters), not the compute dtype.
+Every rank must call with the same prompts and settings, and every rank returns the same
+tokens: greedy argmax and sampling from the same seeded generator pick the same token from
+the same logits with no broadcast. Parameters are used in their stored dtype (fp32 masters).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from types import ModuleType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fxmega import layers, tree
-from fxmega.generate import generate_cached
-from fxmega.model_loader import full_params
+from fxmega import tree
+from fxmega.generate import Cache, LocalDecoder, decode
+from fxmega.models.pieces import blocks_of, decode_pieces
 from fxmega.sharding import layout
+from fxmega.sharding.pipeline import Stage
+from fxmega.sharding.runtime import Parallel
 
 # the heads dim of a cache tensor [batch, max_len, kv_heads, head_dim]
 CACHE_HEADS_DIM = 2
@@ -48,7 +48,7 @@ class DecodeLayout:
     """The run's activation layouts for decoding: those of training, except that the sequence is
     never split (sequence parallelism has nothing to split in a one-token step)."""
 
-    def __init__(self, parallel: Any) -> None:
+    def __init__(self, parallel: Parallel) -> None:
         self.parallel = parallel
 
     @staticmethod
@@ -64,76 +64,113 @@ class DecodeLayout:
         return self.parallel.local(fn, in_axes, self._whole_seq(out_axes))
 
 
-def tp_params(parallel: Any, params: tree.Tree) -> tree.Tree:
-    """This rank's parameters as DTensors over the tp mesh (split where training splits them, as
-    ``Parallel._wrap`` does in the step). Shards over data axes (ZeRO-3, FSDP) are gathered over
-    those axes first (a collective: every rank calls), since decoding reads each parameter whole
-    at every step."""
-    def one(local: torch.Tensor, lay: Any) -> DTensor:
+def decode_params(parallel: Parallel, params: tree.Tree) -> tree.Tree:
+    """This rank's parameters for decoding: shards over data axes (ZeRO-3, FSDP) gathered over
+    those axes (a collective: every rank calls), and under tp wrapped as DTensors over the tp
+    mesh, split where training splits them (as ``Parallel._wrap`` does in the step)."""
+    def one(local: torch.Tensor, lay: Any) -> torch.Tensor:
         local = local.detach()
         if lay.data_axes["param"]:
             only_tp = [Shard(lay.tp_dim) if axis == "tp" and lay.tp_dim is not None else Replicate()
                        for axis in parallel.spec.names]
             local = parallel.as_dtensor(local, lay).redistribute(parallel.device_mesh, only_tp).to_local()
+        if parallel.tp_mesh is None:
+            return local
         placement = Replicate() if lay.tp_dim is None else Shard(lay.tp_dim)
         return DTensor.from_local(local, parallel.tp_mesh, [placement], run_check=False)
 
     return tree.map_leaves(one, params, parallel.layout_tree)
 
 
-class TPDecoder:
-    """``model``'s ``init_cache`` and ``decode_forward`` on this rank's tp shards: the model that
-    ``generate_cached`` is given under tp. ``decode_forward`` takes ``tp_params`` and plain
-    tokens, and returns the logits gathered over the vocabulary as a plain tensor (padding
-    columns included) with the cache still split over heads."""
+class MeshDecoder:
+    """The forward by pieces on this rank's share of a mesh (see the module docstring): a
+    ``generate.Decoder`` for ``decode``. ``params`` are this rank's local tensors, as
+    training holds them."""
 
-    def __init__(self, model: ModuleType, parallel: Any) -> None:
-        if parallel.tp_mesh is None:
-            raise ValueError("TPDecoder needs a run with tp > 1; use generate_on_mesh for any mesh")
-        self.model = model
-        self.parallel = parallel
-        self.layout = DecodeLayout(parallel)
+    def __init__(self, model: Any, parallel: Parallel, params: tree.Tree, cfg: Any) -> None:
+        self.model, self.parallel, self.cfg = model, parallel, cfg
+        self.params = decode_params(parallel, params)
+        self.dtype = tree.leaves(params)[0].dtype
+        self.device = tree.leaves(params)[0].device
+        self.tp_mesh = parallel.tp_mesh
+        self.layout = DecodeLayout(parallel) if self.tp_mesh is not None else None
+        pipe = parallel.plan.pipeline
+        if pipe is None:
+            self.stages = [Stage(0, 0, True, tuple(i for i, _ in blocks_of(params)), True)]
+            self.me, self.group, self.stage_params = 0, None, [self.params]
+            return
+        self.stages = list(pipe.stages)
+        self.me = parallel.coords["pp"]
+        self.group = parallel.group(("pp",)).get_group()
+        self.stage_params = [s.params_of(self.params, model.EMBED_PARAMS, model.HEAD_PARAMS) if s.rank == self.me
+                             else None for s in self.stages]
 
-    def init_cache(self, cfg: Any, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
-                   device: torch.device | str = "cpu") -> list[layers.KV]:
-        """The model's empty cache, but each tensor holding only this rank's heads."""
-        mesh, tp = self.parallel.tp_mesh, self.parallel.tp
-        full = self.model.init_cache(cfg, batch, max_len, dtype, "meta")  # shapes only: nothing is allocated
+    def _global(self, pp_rank: int) -> int:
+        return dist.get_global_rank(self.group, pp_rank)
 
-        def part(t: torch.Tensor) -> DTensor:
-            shape = list(t.shape)
-            if shape[CACHE_HEADS_DIM] % tp:  # the plan refuses such a model before this
-                raise ValueError(f"{shape[CACHE_HEADS_DIM]} cached heads do not split over tp={tp}")
-            shape[CACHE_HEADS_DIM] //= tp
-            local = torch.zeros(shape, dtype=dtype, device=device)
-            return DTensor.from_local(local, mesh, [Shard(CACHE_HEADS_DIM)], run_check=False)
+    def init_cache(self, batch: int, max_len: int) -> Cache:
+        """Empty caches of this rank's blocks; under tp each holds only this rank's heads."""
+        shape = list(self.model.kv_cache_shape(self.cfg, batch, max_len))
+        tp = self.parallel.tp
+        if shape[CACHE_HEADS_DIM] % tp:  # the plan refuses such a model before this
+            raise ValueError(f"{shape[CACHE_HEADS_DIM]} cached heads do not split over tp={tp}")
+        shape[CACHE_HEADS_DIM] //= tp
 
-        return [(part(k), part(v)) for k, v in full]
+        def part() -> torch.Tensor:
+            local = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.tp_mesh is None:
+                return local
+            return DTensor.from_local(local, self.tp_mesh, [Shard(CACHE_HEADS_DIM)], run_check=False)
 
-    def decode_forward(self, params: tree.Tree, tokens: torch.Tensor, cfg: Any, cache: list[layers.KV], start: int,
-                       pad: torch.Tensor | None = None,
-                       last_only: bool = False) -> tuple[torch.Tensor, list[layers.KV]]:
-        # every tp rank reads the same tokens (as in training's loss); pad stays plain, and so
-        # does the CacheWrite built from it: the model's ``shard`` calls convert what meets DTensors
-        tokens = DTensor.from_local(tokens, self.parallel.tp_mesh, [Replicate()], run_check=False)
+        return {i: (part(), part()) for s in self.stages if s.rank == self.me for i in s.blocks}
+
+    def _replicated(self, x: torch.Tensor) -> torch.Tensor:
+        # what every tp rank holds whole (the tokens, a received residual) as the DTensor it is
+        return x if self.tp_mesh is None else DTensor.from_local(x, self.tp_mesh, [Replicate()], run_check=False)
+
+    def forward(self, tokens: torch.Tensor, cache: Cache, start: int, pad: torch.Tensor, max_len: int,
+                last_only: bool = False) -> tuple[torch.Tensor, Cache]:
+        write = self.model.decode_write(self.cfg, start, tokens.shape[1], max_len, pad)
+        batch, new_tokens = tokens.shape
+        x: torch.Tensor | None = None
+        logits: torch.Tensor | None = None
+        new: Cache = {}
         with layout.activate(self.layout):
-            logits, cache = self.model.decode_forward(params, tokens, cfg, cache, start, pad, last_only)
-        return logits.full_tensor(), cache
+            for s, params in zip(self.stages, self.stage_params):
+                if s.rank != self.me:
+                    continue
+                if s.embed:
+                    x = self._replicated(tokens)
+                elif x is None or self.stages[s.index - 1].rank != self.me:  # from the previous stage's rank
+                    x = torch.empty(batch, new_tokens, self.cfg.d_model, dtype=self.dtype, device=self.device)
+                    dist.recv(x, self._global(self.stages[s.index - 1].rank), group=self.group)
+                    x = self._replicated(x)
+                x, part = decode_pieces(self.model, params, x, self.cfg, cache, write, embed=s.embed, head=s.head,
+                                        last_only=last_only)
+                new |= part
+                x = x.full_tensor() if isinstance(x, DTensor) else x
+                if s.head:
+                    logits = x
+                elif self.stages[s.index + 1].rank != self.me:
+                    dist.send(x.contiguous(), self._global(self.stages[s.index + 1].rank), group=self.group)
+        if self.group is not None:  # every pp rank gets the last stage's logits
+            if logits is None:
+                logits = torch.empty(batch, 1 if last_only else new_tokens, self.parallel.plan.padded_vocab_size,
+                                     dtype=self.dtype, device=self.device)
+            dist.broadcast(logits, self._global(self.stages[-1].rank), group=self.group)
+        return logits, new
 
 
 @torch.no_grad()
-def generate_on_mesh(run: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+def generate_on_mesh(holder: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, stop_tokens: Sequence[int] = (),
                      seed: int = 0) -> list[list[int]]:
-    """The new tokens for each prompt (``generate_cached``'s semantics and return), decoded on
-    ``run``'s mesh: tensor-parallel with the parameters and the KV cache split over tp when
-    ``run.parallel`` has tp > 1 (see the module docstring for the other meshes). Every rank must
-    call with the same arguments, and every rank returns the same tokens."""
-    par = run.parallel
-    cfg = run.cfg.model
-    args = (prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed)
-    if par is None:
-        return generate_cached(run.model, run.params, cfg, *args)
-    if par.tp_mesh is None or par.plan.pipeline is not None:
-        return generate_cached(run.model, full_params(run), cfg, *args)
-    return generate_cached(TPDecoder(run.model, par), tp_params(par, run.params), cfg, *args)
+    """The new tokens for each prompt (``generate.decode``'s semantics and return), decoded where
+    ``holder``'s parameters are (a ``LoadedModel`` or a training ``Run``: its ``model``,
+    ``params``, ``parallel`` and ``cfg``). Every rank must call with the same arguments, and
+    every rank returns the same tokens."""
+    cfg = holder.cfg.model
+    par = holder.parallel
+    decoder = LocalDecoder(holder.model, holder.params, cfg) if par is None else \
+        MeshDecoder(holder.model, par, holder.params, cfg)
+    return decode(decoder, cfg, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed)

@@ -1,6 +1,6 @@
 """``run.py generate`` and ``run.py serve``: a checkpoint's model, loaded onto the run's mesh,
-generating with a KV cache (``fxmega.generate``; on a tensor-parallel mesh
-``fxmega.generate_parallel``), printing completions or serving them over HTTP."""
+generating with a KV cache (``fxmega.generate``; on a mesh ``fxmega.generate_parallel``),
+printing completions or serving them over HTTP."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 
 from fxmega.config import RunConfig
 from fxmega.errors import ConfigError
-from fxmega.generate import generate_cached
 from fxmega.generate_parallel import generate_on_mesh
 from fxmega.model_loader import LoadedModel, load_model
 from fxmega.models import family_name, model_for
@@ -20,7 +19,7 @@ from fxmega.sharding.runtime import Parallel
 def load_generator(cfg: RunConfig, parallel: Parallel | None = None, device: Any = None) -> LoadedModel:
     """``--load``'s parameters (resharded onto the mesh) and the tokenizer, for generating:
     no optimizer state, no data."""
-    if not hasattr(model_for(cfg.model), "init_cache"):
+    if not hasattr(model_for(cfg.model), "kv_cache_shape"):
         raise ConfigError(f"generate/serve need a decoder with a KV cache (gpt or llama); the "
                           f"{family_name(cfg.model)} family has none (BERT is an encoder)")
     return load_model(cfg, parallel, device, command="generate/serve")
@@ -29,11 +28,7 @@ def load_generator(cfg: RunConfig, parallel: Parallel | None = None, device: Any
 def generate_fn(run: Any) -> Any:
     """``(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed) -> new ids``
     for this run: cached generation on one device, or on the run's mesh."""
-    if run.parallel is not None:
-
-        return functools.partial(generate_on_mesh, run)
-
-    return functools.partial(generate_cached, run.model, run.params, run.cfg.model)
+    return functools.partial(generate_on_mesh, run)
 
 
 def generate_texts(run: Any, prompts: list[str], max_new_tokens: int, temperature: float, top_k: int,

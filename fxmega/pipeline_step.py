@@ -44,13 +44,7 @@ LOGITS = ("batch", None, "vocab")
 
 def _stage_tree(local: dict, stage: Stage, model: Any) -> dict:
     """The part of this rank's parameter tree that ``stage`` reads (same tensors)."""
-    out = {}
-    if stage.embed:
-        out.update({g: local[g] for g in model.EMBED_PARAMS})
-    out["blocks"] = {str(i): local["blocks"][str(i)] for i in stage.blocks}
-    if stage.head:
-        out.update({g: local[g] for g in model.HEAD_PARAMS})
-    return out
+    return stage.params_of(local, model.EMBED_PARAMS, model.HEAD_PARAMS)
 
 
 class _StageModule(nn.Module):

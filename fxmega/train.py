@@ -8,6 +8,7 @@ checkpoints and the closing sample.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,8 @@ from fxmega.data.sources import build_data
 from fxmega.device import pick_device, set_deterministic
 from fxmega.errors import ConfigError, NonFiniteError
 from fxmega.evaluate import mean_loss, micro_sums, my_micro_batches, one_device_loss_sum
-from fxmega.generate import generate
+from fxmega.generate import sample_text
+from fxmega.generate_parallel import generate_on_mesh
 from fxmega.heartbeat import Heartbeat
 from fxmega.init import count_params, init_params
 from fxmega.kernel_dump import dump_kernels
@@ -211,15 +213,12 @@ class Run:
         return True
 
     def sample(self, n_tokens: int, prompt: str, seed: int) -> str:
-        """Generated text from the full parameters (every rank must call; rank 0's is real)."""
+        """Generated text, decoded on the run's mesh where its parameters are (every rank
+        must call, and every rank gets the same text)."""
         if self.tokenizer is None:
             return ""
-        params = self.full_params()
-        vocab = self.cfg.model.vocab_size
-        ids = torch.tensor([self.tokenizer.encode(prompt)], device=self.device)
-        out = generate(lambda p, x: self.model.forward(p, x, self.cfg.model)[..., :vocab], params, ids, n_tokens,
-                       self.cfg.train.seq_len, temperature=0.8, top_k=40, seed=seed)
-        return self.tokenizer.decode(out[0].tolist())
+        return sample_text(functools.partial(generate_on_mesh, self), self.cfg.model, self.tokenizer, prompt, n_tokens,
+                           temperature=0.8, top_k=40, seed=seed)
 
 
 @dataclass

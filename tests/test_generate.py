@@ -3,14 +3,15 @@ sequence gives, for GPT and Llama (grouped, multi-query and plain multi-head att
 batched prompts of different lengths as each alone, and the sampling settings."""
 
 import dataclasses
-from types import SimpleNamespace
+
+from functools import partial
 
 import pytest
 import torch
 
 from fxmega.config import load
 from fxmega.data.tokenizer import ByteTokenizer
-from fxmega.generate import generate_cached, sample_next, sample_text
+from fxmega.generate import LocalDecoder, decode, generate_cached, sample_next, sample_text
 from fxmega.init import init_params
 from fxmega.models import gpt, llama
 from tests.conftest import ROOT
@@ -35,6 +36,13 @@ def lm(request):
     return module, init_params(module.param_specs(cfg), seed=0), cfg
 
 
+def prefill(module, params, cfg, tokens, max_len, pad=None, cache=None):
+    """The decoder's forward over ``tokens`` from slot 0 of a fresh (or the given) cache."""
+    dec = LocalDecoder(module, params, cfg)
+    pad = torch.zeros(tokens.shape[0], dtype=torch.long) if pad is None else pad
+    return dec.forward(tokens, dec.init_cache(tokens.shape[0], max_len) if cache is None else cache, 0, pad, max_len)
+
+
 def greedy_without_cache(module, params, cfg, prompt, n):
     tokens = torch.tensor([prompt])
     for _ in range(n):
@@ -55,8 +63,8 @@ def test_cached_logits_equal_the_uncached_forward_at_every_step(lm):
     cfg = dataclasses.replace(cfg, init_std=0.02)  # training's init: logits of order 1
     params = init_params(module.param_specs(cfg), seed=0)
     tokens = torch.tensor([PROMPTS[0]])
-    cache = module.init_cache(cfg, 1, tokens.shape[1] + 8)
-    logits, cache = module.decode_forward(params, tokens, cfg, cache, 0)
+    dec, total, pad = LocalDecoder(module, params, cfg), tokens.shape[1] + 8, torch.zeros(1, dtype=torch.long)
+    logits, cache = dec.forward(tokens, dec.init_cache(1, total), 0, pad, total)
     # the cache's attention sums over its own length in another order than the forward's
     n = forward_lengths(cfg, tokens.shape[1] + 8)
     assert_within_rounding(logits, module.forward(params, tokens, cfg), n, what="prefill")
@@ -64,7 +72,7 @@ def test_cached_logits_equal_the_uncached_forward_at_every_step(lm):
         nxt = logits[:, -1].argmax(-1, keepdim=True)
         start = tokens.shape[1]
         tokens = torch.cat([tokens, nxt], dim=1)
-        logits, cache = module.decode_forward(params, nxt, cfg, cache, start)
+        logits, cache = dec.forward(nxt, cache, start, pad, total)
         assert logits.shape == (1, 1, cfg.vocab_size)
         assert_within_rounding(logits[:, -1], module.forward(params, tokens, cfg)[:, -1], n, what="decode")
 
@@ -79,7 +87,7 @@ def test_batched_prompts_of_different_lengths_equal_each_alone(lm):
     longest = max(map(len, PROMPTS))
     pad = torch.tensor([longest - len(p) for p in PROMPTS])
     tokens = torch.tensor([[0] * (longest - len(p)) + p for p in PROMPTS])
-    logits, _ = module.decode_forward(params, tokens, cfg, module.init_cache(cfg, 3, longest + 1), 0, pad)
+    logits, _ = prefill(module, params, cfg, tokens, longest + 1, pad)
     for row, prompt in enumerate(PROMPTS):
         expected = module.forward(params, torch.tensor([prompt]), cfg)[0, -1]
         assert_within_rounding(logits[row, -1], expected, forward_lengths(cfg, longest + 1), what=f"row {row}")
@@ -88,13 +96,13 @@ def test_batched_prompts_of_different_lengths_equal_each_alone(lm):
 def test_unwritten_cache_slots_are_never_read_and_the_cache_is_not_modified(lm):
     module, params, cfg = lm
     tokens = torch.tensor([PROMPTS[2]])
-    clean = module.init_cache(cfg, 1, 16)
-    junk = [(torch.randn_like(k) * 100, torch.randn_like(v) * 100) for k, v in clean]
-    before = [(k.clone(), v.clone()) for k, v in junk]
-    from_clean, _ = module.decode_forward(params, tokens, cfg, clean, 0)
-    from_junk, written = module.decode_forward(params, tokens, cfg, junk, 0)
+    clean = LocalDecoder(module, params, cfg).init_cache(1, 16)
+    junk = {i: (torch.randn_like(k) * 100, torch.randn_like(v) * 100) for i, (k, v) in clean.items()}
+    before = [(k.clone(), v.clone()) for k, v in junk.values()]
+    from_clean, _ = prefill(module, params, cfg, tokens, 16, cache=clean)
+    from_junk, written = prefill(module, params, cfg, tokens, 16, cache=junk)
     torch.testing.assert_close(from_junk, from_clean, atol=0, rtol=0)  # masked slots weigh exactly 0
-    for (k, v), (k0, v0) in zip(junk, before):
+    for (k, v), (k0, v0) in zip(junk.values(), before):
         assert torch.equal(k, k0) and torch.equal(v, v0)  # functional: a new cache is returned
     assert not torch.equal(written[0][0][:, :4], junk[0][0][:, :4])
 
@@ -128,13 +136,13 @@ def test_generation_ends_once_every_row_has_stopped(lm):
     module, params, cfg = lm
     calls = []
 
-    def counting(*args, **kwargs):
-        calls.append(args[1].shape[1])
-        return module.decode_forward(*args, **kwargs)
+    class Counting(LocalDecoder):
+        def forward(self, tokens, *args, **kwargs):
+            calls.append(tokens.shape[1])
+            return super().forward(tokens, *args, **kwargs)
 
-    counted = SimpleNamespace(init_cache=module.init_cache, decode_forward=counting)
     first = generate_cached(module, params, cfg, [PROMPTS[0]], 1)[0][0]
-    assert generate_cached(counted, params, cfg, [PROMPTS[0]], 20, stop_tokens=[first]) == [[]]
+    assert decode(Counting(module, params, cfg), cfg, [PROMPTS[0]], 20, stop_tokens=[first]) == [[]]
     assert calls == [len(PROMPTS[0])]  # the prefill only: no decode step after the stop
 
 
@@ -153,19 +161,27 @@ def test_a_request_longer_than_max_seq_len_raises_naming_the_numbers(tiny_gpt):
         generate_cached(gpt, params, cfg, [[1, 256]], 5)
 
 
-def test_sample_text_is_run_sample_on_the_cache(tiny_llama):
+def test_sample_text_is_run_sample_on_the_cache_in_windows(tiny_llama):
     cfg = tiny_llama.model
     params = init_params(llama.param_specs(cfg), seed=0)
     tok = ByteTokenizer()
-    new = generate_cached(llama, params, cfg, [tok.encode("Hi")], 5, temperature=0.8, top_k=40, seed=7)[0]
-    assert sample_text(llama, params, cfg, tok, "Hi", 5, seed=7) == tok.decode(tok.encode("Hi") + new)
+    gen = partial(generate_cached, llama, params, cfg)
+    new = gen([tok.encode("Hi")], 5, temperature=0.8, top_k=40, seed=7)[0]
+    assert sample_text(gen, cfg, tok, "Hi", 5, seed=7) == tok.decode(tok.encode("Hi") + new)
     # a prompt too long for the window conditions on its last max_seq_len - max_new_tokens tokens
     long_prompt = "x" * 50 + "y" * 50
-    new = generate_cached(llama, params, cfg, [tok.encode(long_prompt)[-(64 - 8):]], 8, temperature=0)[0]
-    assert sample_text(llama, params, cfg, tok, long_prompt, 8, temperature=0) == \
-        tok.decode(tok.encode(long_prompt) + new)
-    with pytest.raises(ValueError, match="max_new_tokens=64 leaves no room"):
-        sample_text(llama, params, cfg, tok, "Hi", 64)
+    new = gen([tok.encode(long_prompt)[-(64 - 8):]], 8, temperature=0)[0]
+    assert sample_text(gen, cfg, tok, long_prompt, 8, temperature=0) == tok.decode(tok.encode(long_prompt) + new)
+    # longer than the context: windows that keep the last half and add the other half
+    calls = []
+
+    def recording(prompts, n, **kwargs):
+        calls.append((len(prompts[0]), n, kwargs["seed"]))
+        return gen(prompts, n, **kwargs)
+
+    sample_text(recording, cfg, tok, "Hi", 100, temperature=0, seed=7)
+    # (context tokens, new tokens, seed) per window: 2 + 32, then the last 32 + 32 twice, then 60 + 4
+    assert calls == [(2, 32, 7), (32, 32, 8), (32, 32, 9), (60, 4, 10)]
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():

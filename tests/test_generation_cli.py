@@ -83,14 +83,56 @@ def test_serve_command_answers_completions(trained):
 
 
 @pytest.mark.slow
-def test_generate_command_on_a_tp2_mesh_equals_one_device(trained, capsys):
+@pytest.mark.parametrize("mesh", ["tp=2", "pp=2"])
+def test_generate_command_on_a_mesh_equals_one_device(trained, capsys, mesh):
     args, corpus = trained
     gen = ["--prompt", "the lazy", "--temperature", "0", "--max-new-tokens", "10"]
     assert main(["generate", *args, *gen]) == 0
     single = capsys.readouterr().out
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "generate", *args, *gen, "--mesh", "tp=2"],
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "generate", *args, *gen, "--mesh", mesh],
                           cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     completion = single.split("the lazy", 1)[1].split("\n" + "-" * 40)[0]
     assert "the lazy" + completion + "\n" + "-" * 40 in proc.stdout
+
+
+@pytest.mark.slow
+def test_serve_on_a_tp2_mesh_answers_like_one_device(trained):
+    """Rank 0 answers HTTP, rank 1 follows; request after request, the tokens are one device's."""
+    args, corpus = trained
+    ckpt = args[args.index("--load") + 1]
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "serve", *args, "--mesh", "tp=2", "--port", "0"],
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    seen = []
+    try:
+        url = None
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("serving "):
+                url = line.split(" on ")[1].split()[0]
+                break
+        assert url and url.startswith("http://127.0.0.1:"), "".join(seen)[-3000:]
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        for prompt in ("the quick", "over", "the lazy"):
+            body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+            request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            with opener.open(request, timeout=120) as response:
+                answer = json.loads(response.read())
+            assert answer["choices"][0]["text"] == _library_greedy(corpus, ckpt, prompt, 8), prompt
+        too_long = json.dumps({"prompt": "x" * 80, "max_tokens": 8}).encode()  # refused on rank 0 alone
+        with pytest.raises(urllib.error.HTTPError) as e:
+            opener.open(urllib.request.Request(url, data=too_long, headers={"Content-Type": "application/json"}),
+                        timeout=60)
+        assert e.value.code == 400
+        body = json.dumps({"prompt": "over", "max_tokens": 4, "temperature": 0}).encode()
+        with opener.open(urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}),
+                         timeout=120) as response:  # the followers are still in step after a refusal
+            assert json.loads(response.read())["choices"][0]["text"] == _library_greedy(corpus, ckpt, "over", 4)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

@@ -119,7 +119,7 @@ def objective(cfg: Config) -> objectives.Objective:
 
 def attention(p: dict, x: torch.Tensor, valid: torch.Tensor | None = None, cache: layers.KV | None = None,
               write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
-    """Causal self-attention; with ``cache`` and ``write`` (decoding, see ``decode_forward``)
+    """Causal self-attention; with ``cache`` and ``write`` (decoding, see ``fxmega.models.pieces.decode_pieces``)
     it attends over the cache instead and also returns the updated cache."""
     qkv = layers.project_to_heads(x, p["wqkv"], p["bqkv"])  # [batch, seq, 3, heads, head_dim]
     q, k, v = qkv.unbind(dim=2)
@@ -140,7 +140,7 @@ def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = No
           write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """One pre-LN block on the residual stream ``x [batch, seq, embed]`` (``valid``: the
     padding mask, see ``layers.causal_attention``). With ``cache`` and ``write`` it decodes
-    (see ``decode_forward``) and returns ``(x, updated cache)``.
+    (see ``fxmega.models.pieces.decode_pieces``) and returns ``(x, updated cache)``.
 
     Each sublayer reads the whole sequence (``None``: never split inside a block) and its
     output is brought back to the residual stream's layout: with sequence parallelism that
@@ -192,25 +192,12 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config,
     return head(params, x, cfg)
 
 
-def init_cache(cfg: Config, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> list[layers.KV]:
-    """An empty KV cache: per layer ``(k, v)``, each ``[batch, max_len, heads, head_dim]``."""
-    shape = (batch, max_len, cfg.n_heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.n_layers)]
+def kv_cache_shape(cfg: Config, batch: int, max_len: int) -> tuple[int, ...]:
+    """The shape of one block's cached keys (and values): ``[batch, max_len, heads, head_dim]``."""
+    return (batch, max_len, cfg.n_heads, cfg.head_dim)
 
 
-def decode_forward(params: dict, tokens: torch.Tensor, cfg: Config, cache: list[layers.KV], start: int,
-                   pad: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, list[layers.KV]]:
-    """``forward`` for ``tokens [batch, new]`` written at cache slots ``[start, start + new)``:
-    the whole (left-padded) prompt at once, then one token per step. ``pad [batch]`` counts
-    each row's left padding (position = slot - pad). Returns the logits ``[batch, new, vocab]``
-    (``last_only``: ``[batch, 1, vocab]``) and the new cache; ``cache`` itself is unchanged."""
-    pad = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device) if pad is None else pad
-    write = layers.cache_write(start, tokens.shape[1], cache[0][0].shape[1], pad)
-    x = embed(params, tokens, cfg, write.positions)
-    new_cache = []
-    for p, kv in zip(params["blocks"], cache, strict=True):
-        x, kv = block(p, x, cfg, cache=kv, write=write)
-        new_cache.append(kv)
-    return head(params, x[:, -1:] if last_only else x, cfg), new_cache
+def decode_write(cfg: Config, start: int, new: int, max_len: int, pad: torch.Tensor) -> layers.CacheWrite:
+    """Where ``new`` tokens go in the cache and what they attend to (``layers.cache_write``);
+    positions are learned, so no rotary tables."""
+    return layers.cache_write(start, new, max_len, pad)

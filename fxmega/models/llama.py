@@ -136,7 +136,7 @@ def attention(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None 
               cache: layers.KV | None = None,
               write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """Causal self-attention with rotary positions; with ``cache`` and ``write`` (decoding, see
-    ``decode_forward``) it attends over the cache instead and also returns the updated cache."""
+    ``fxmega.models.pieces.decode_pieces``) it attends over the cache instead and also returns the updated cache."""
     q = layers.project_to_heads(x, p["wq"])
     k = layers.project_to_heads(x, p["wk"])
     v = layers.project_to_heads(x, p["wv"])
@@ -158,7 +158,7 @@ def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = No
           write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """One pre-norm block on the residual stream ``x [batch, seq, embed]``; sublayers read
     the whole sequence (see ``gpt.block``); ``valid`` is the padding mask. With ``cache`` and
-    ``write`` it decodes (see ``decode_forward``) and returns ``(x, updated cache)``."""
+    ``write`` it decodes (see ``fxmega.models.pieces.decode_pieces``) and returns ``(x, updated cache)``."""
     h = shard(layers.rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps), "batch", None, "embed")
     if cache is not None:
         a, cache = attention(p["attn"], h, cfg, cache=cache, write=write)
@@ -170,7 +170,9 @@ def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = No
     return x if cache is None else (x, cache)
 
 
-def embed(params: dict, tokens: torch.Tensor, cfg: Config) -> torch.Tensor:
+def embed(params: dict, tokens: torch.Tensor, cfg: Config, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The token embedding: the residual stream's start. Positions enter as rotations in
+    attention, so ``positions`` (decoding) is not read here."""
     x = torch.nn.functional.embedding(tokens, params["embed"]["tokens"])
     return shard(x, "batch", "seq", "embed")
 
@@ -200,25 +202,13 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config,
     return head(params, x, cfg)
 
 
-def init_cache(cfg: Config, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> list[layers.KV]:
-    """An empty KV cache: per layer ``(k, v)``, each ``[batch, max_len, kv_heads, head_dim]``
+def kv_cache_shape(cfg: Config, batch: int, max_len: int) -> tuple[int, ...]:
+    """The shape of one block's cached keys (and values): ``[batch, max_len, kv_heads, head_dim]``
     (grouped heads are cached once per group, not repeated per query head)."""
-    shape = (batch, max_len, cfg.kv_heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.n_layers)]
+    return (batch, max_len, cfg.kv_heads, cfg.head_dim)
 
 
-def decode_forward(params: dict, tokens: torch.Tensor, cfg: Config, cache: list[layers.KV], start: int,
-                   pad: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, list[layers.KV]]:
-    """``forward`` for ``tokens [batch, new]`` written at cache slots ``[start, start + new)``,
-    rotated at their absolute positions (slot - ``pad[b]``, each row's left padding); see
-    ``gpt.decode_forward``. Returns the logits and the new cache."""
-    pad = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device) if pad is None else pad
-    write = layers.cache_write(start, tokens.shape[1], cache[0][0].shape[1], pad, cfg.head_dim, cfg.rope_theta)
-    x = embed(params, tokens, cfg)
-    new_cache = []
-    for p, kv in zip(params["blocks"], cache, strict=True):
-        x, kv = block(p, x, cfg, cache=kv, write=write)
-        new_cache.append(kv)
-    return head(params, x[:, -1:] if last_only else x, cfg), new_cache
+def decode_write(cfg: Config, start: int, new: int, max_len: int, pad: torch.Tensor) -> layers.CacheWrite:
+    """Where ``new`` tokens go in the cache and what they attend to (``layers.cache_write``),
+    with the rotary tables at each row's positions, built once for every layer."""
+    return layers.cache_write(start, new, max_len, pad, cfg.head_dim, cfg.rope_theta)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fxmega.layers import KV, CacheWrite
 from fxmega.models.registry import ModelFamily
 from fxmega.recompute import mode_for_block
 
@@ -67,3 +68,30 @@ def embed_inputs(model: ModelFamily, batch: dict[str, torch.Tensor]) -> list[tor
             break
         out.append(batch[key])
     return out
+
+
+def init_cache(model: Any, cfg: Any, blocks: Sequence[int], batch: int, max_len: int,
+               dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> dict[int, KV]:
+    """An empty KV cache for the blocks ``blocks`` (global indices: a pipeline stage caches
+    only its own), each ``(k, v)`` of the family's ``kv_cache_shape``."""
+    shape = model.kv_cache_shape(cfg, batch, max_len)
+    return {i: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for i in blocks}
+
+
+def decode_pieces(model: Any, params: dict, x: torch.Tensor, cfg: Any, cache: dict[int, KV], write: CacheWrite, *,
+                  embed: bool = True, head: bool = True, last_only: bool = False) -> tuple[torch.Tensor, dict[int, KV]]:
+    """The forward by pieces while decoding: the same embedding, blocks and head as
+    ``run_pieces``, for new tokens written into the cache at ``write`` (the family's
+    ``decode_write``): the embedding at each row's positions, every block in ``params`` reading
+    and extending its cache entry, the head on the last position only with ``last_only``.
+    Returns the output (tokens in, logits out when ``head``) and the blocks' new cache
+    entries; ``cache`` itself is unchanged. A pipeline stage runs the pieces it holds."""
+    if embed:
+        x = model.embed(top(model.EMBED_PARAMS, params), x, cfg, positions=write.positions)
+    new: dict[int, KV] = {}
+    for i, p in blocks_of(params):
+        x, new[i] = model.block(p, x, cfg, cache=cache[i], write=write)
+    if head:
+        x = model.head(top(model.HEAD_PARAMS, params), x[:, -1:] if last_only else x, cfg)
+    return x, new

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,7 +34,16 @@ def relaunch(nproc: int, argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(Path(sys.argv[0]).resolve()), *argv]
     print(f"starting {nproc} local processes: {' '.join(cmd[1:])}", flush=True)
-    return subprocess.call(cmd)
+    launcher = subprocess.Popen(cmd)
+    # a signal to this process goes on to the launcher, which stops its workers; killing the
+    # launcher instead (what subprocess.call does on Ctrl-C) would leave the workers running
+    forward = lambda signum, _frame: launcher.send_signal(signum)  # noqa: E731
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return launcher.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def per_rank_caches() -> None:

@@ -43,6 +43,15 @@ class Stage:
     blocks: tuple[int, ...]
     head: bool
 
+    def params_of(self, local: dict, embed_groups: tuple[str, ...], head_groups: tuple[str, ...]) -> dict:
+        """The part of a pp rank's parameter tree (blocks keyed by global index) that this
+        stage reads: the same tensors, not copies."""
+        out = {g: local[g] for g in embed_groups} if self.embed else {}
+        out["blocks"] = {str(i): local["blocks"][str(i)] for i in self.blocks}
+        if self.head:
+            out.update({g: local[g] for g in head_groups})
+        return out
+
     def describe(self) -> str:
         parts = (["E"] if self.embed else []) + \
             ([f"blocks {self.blocks[0]}-{self.blocks[-1]}" if len(self.blocks) > 1 else f"block {self.blocks[0]}"]

@@ -1,0 +1,84 @@
+"""Serving a model that spans a mesh: rank 0 answers HTTP, the other ranks follow its requests.
+
+Every rank must run each generation together (the tp collectives, the pp sends), in the same
+order. So rank 0's generate function (``Leader``) broadcasts each request, checked first so
+that only requests that every rank can serve go out, to the other ranks, which wait in
+``follow`` and run the same ``generate_on_mesh`` call; generations run one at a time. While
+no request comes, the leader broadcasts a keep-alive every ``keepalive_s`` seconds, so that
+the followers' waiting broadcast never runs into the process group's timeout; ``close``
+sends the followers home. A client cannot tell the mesh from one device: the tokens are the
+same (``tests/test_generation_cli.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from fxmega.generate import check_request
+from fxmega.generate_parallel import generate_on_mesh
+
+_GENERATE, _PING, _STOP = "generate", "ping", "stop"
+
+
+def _broadcast(message: tuple) -> tuple:
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Leader:
+    """Rank 0's ``generate_fn`` for the server: each call is run by every rank."""
+
+    def __init__(self, holder: Any, keepalive_s: float) -> None:
+        self.holder, self.keepalive_s = holder, keepalive_s
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._keep_alive, name="fxmega-serve-keepalive", daemon=True)
+        self._thread.start()
+
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, stop_tokens: Sequence[int] = (), seed: int = 0) -> list[list[int]]:
+        # refused here, before the followers see it: a request one rank fails would leave the others waiting
+        check_request(self.holder.cfg.model, prompts, max_new_tokens, temperature, top_k, top_p)
+        kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=list(stop_tokens), seed=seed)
+        with self._lock:
+            _broadcast((_GENERATE, prompts, max_new_tokens, kwargs))
+            return generate_on_mesh(self.holder, prompts, max_new_tokens, **kwargs)
+
+    def _keep_alive(self) -> None:
+        while not self._closed.wait(self.keepalive_s):
+            with self._lock:
+                if not self._closed.is_set():
+                    _broadcast((_PING,))
+
+    def close(self, timeout_s: float = 5.0) -> bool:
+        """Tell the followers to stop (they return from ``follow``); False when they did not
+        all hear it within ``timeout_s`` (stopped by the launcher first, say)."""
+        self._closed.set()
+
+        def stop() -> None:
+            with self._lock:
+                _broadcast((_STOP,))
+
+        sender = threading.Thread(target=stop, name="fxmega-serve-stop", daemon=True)
+        sender.start()
+        sender.join(timeout_s)
+        return not sender.is_alive()
+
+
+def follow(holder: Any) -> int:
+    """A rank other than 0: run every request rank 0 broadcasts until it says stop; the number
+    of generations run."""
+    served = 0
+    while True:
+        message = _broadcast(())
+        if message[0] == _STOP:
+            return served
+        if message[0] == _GENERATE:
+            _, prompts, max_new_tokens, kwargs = message
+            generate_on_mesh(holder, prompts, max_new_tokens, **kwargs)
+            served += 1
