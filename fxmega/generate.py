@@ -90,6 +90,22 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int,
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+def row_generators(seed: int, rows: Sequence[int], device: torch.device) -> list[torch.Generator]:
+    """One generator per request row, seeded from ``seed`` and the row's index in the request:
+    a row draws the same tokens whichever other rows share its batch (so data-parallel ranks
+    that each decode a share of the rows sample what one device samples)."""
+    # kept below 2**63: a server's random seed may use the whole 64 bits
+    return [torch.Generator(device=device).manual_seed((seed * 1_000_003 + row) % 2**63) for row in rows]
+
+
+def sample_rows(logits: torch.Tensor, temperature: float, top_k: int, generators: Sequence[torch.Generator],
+                top_p: float = 1.0) -> torch.Tensor:
+    """``sample_next`` for each row of ``logits [batch, vocab]`` from that row's generator."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    return torch.cat([sample_next(logits[i:i + 1], temperature, top_k, g, top_p) for i, g in enumerate(generators)])
+
+
 def check_request(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0) -> None:
     """Raise ``ValueError``, naming the numbers and the fix, for a request the cached generator
@@ -121,13 +137,14 @@ def check_request(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: in
 @torch.no_grad()
 def decode(decoder: Decoder, cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop_tokens: Sequence[int] = (),
-           seed: int = 0) -> list[list[int]]:
+           seed: int = 0, rows: Sequence[int] | None = None) -> list[list[int]]:
     """The new tokens for each prompt, generated with ``decoder``'s KV cache.
 
-    Sampling as ``sample_next`` (greedy at temperature 0), from a ``torch.Generator`` seeded
-    with ``seed``: the same call gives the same tokens. A sequence ends at the first token in
-    ``stop_tokens``, which is not returned; so a list shorter than ``max_new_tokens`` means that
-    sequence stopped. Stopped rows are fed padding while the others go on, and their output
+    Sampling as ``sample_next`` (greedy at temperature 0), each row from its own generator
+    seeded with ``seed`` and the row's index in the request (``rows``: the prompts' indices,
+    when they are a share of a larger request): the same call gives the same tokens. A
+    sequence ends at the first token in ``stop_tokens``, which is not returned; so a list
+    shorter than ``max_new_tokens`` means that sequence stopped. Stopped rows are fed padding while the others go on, and their output
     is not extended; generation ends when every row has stopped. On a mesh every rank calls
     with the same arguments and returns the same tokens.
     """
@@ -142,7 +159,7 @@ def decode(decoder: Decoder, cfg: Any, prompts: Sequence[Sequence[int]], max_new
     tokens = torch.tensor([[PAD_ID] * (longest - len(p)) + [int(t) for t in p] for p in prompts],
                           dtype=torch.long, device=device)
     stop = torch.tensor(sorted({int(t) for t in stop_tokens}), dtype=torch.long, device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generators = row_generators(seed, range(len(prompts)) if rows is None else rows, device)
     cache = decoder.init_cache(len(prompts), total)
 
     logits, cache = decoder.forward(tokens, cache, 0, pad, total, last_only=True)
@@ -150,7 +167,7 @@ def decode(decoder: Decoder, cfg: Any, prompts: Sequence[Sequence[int]], max_new
     steps = []
     for step in range(max_new_tokens):
         # the logits may be wider than the vocabulary (padded for tensor parallelism)
-        nxt = sample_next(logits[:, -1, :cfg.vocab_size], temperature, top_k, generator, top_p)
+        nxt = sample_rows(logits[:, -1, :cfg.vocab_size], temperature, top_k, generators, top_p)
         nxt = nxt.masked_fill(done, PAD_ID)
         steps.append(nxt)
         done = done | torch.isin(nxt, stop)

@@ -16,8 +16,10 @@ the same loop) with a ``MeshDecoder`` over the parameters where they are:
   to the next stage's rank (a point-to-point send over pp), and the last stage's logits are
   broadcast over pp. Interleaved layouts (several stages per rank) work the same way.
 * **data axes** (dp, ZeRO, FSDP): ZeRO-3/FSDP shards are gathered over the data axes once
-  (decoding reads each parameter whole at every step) and every data replica decodes the
-  whole batch itself.
+  (decoding reads each parameter whole at every step); each data replica decodes its share
+  of the prompts (rows ``r, r + dp, ...``) and the completions are all-gathered over the data
+  axes. Each row samples from its own seeded generator, so a share samples what one device
+  samples for those rows.
 
 Every rank must call with the same prompts and settings, and every rank returns the same
 tokens: greedy argmax and sampling from the same seeded generator pick the same token from
@@ -171,6 +173,17 @@ def generate_on_mesh(holder: Any, prompts: list[list[int]], max_new_tokens: int,
     every rank returns the same tokens."""
     cfg = holder.cfg.model
     par = holder.parallel
-    decoder = LocalDecoder(holder.model, holder.params, cfg) if par is None else \
-        MeshDecoder(holder.model, par, holder.params, cfg)
-    return decode(decoder, cfg, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed)
+    if par is None:
+        return decode(LocalDecoder(holder.model, holder.params, cfg), cfg, prompts, max_new_tokens, temperature, top_k,
+                      top_p, stop_tokens, seed)
+    decoder = MeshDecoder(holder.model, par, holder.params, cfg)
+    if par.data_size == 1:
+        return decode(decoder, cfg, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed)
+    # data replicas decode independent prompts: rows r, r + dp, r + 2 dp, ... on data rank r
+    mine = list(range(par.data_rank, len(prompts), par.data_size))
+    outs = decode(decoder, cfg, [prompts[i] for i in mine], max_new_tokens, temperature, top_k, top_p, stop_tokens,
+                  seed, rows=mine)
+    everyone: list[dict[int, list[int]]] = [{}] * par.data_size
+    dist.all_gather_object(everyone, dict(zip(mine, outs)), group=par.group(par.data_axes).get_group())
+    merged = {row: ids for part in everyone for row, ids in part.items()}
+    return [merged[i] for i in range(len(prompts))]

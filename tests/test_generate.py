@@ -3,7 +3,6 @@ sequence gives, for GPT and Llama (grouped, multi-query and plain multi-head att
 batched prompts of different lengths as each alone, and the sampling settings."""
 
 import dataclasses
-
 from functools import partial
 
 import pytest
@@ -119,6 +118,17 @@ def test_sampling_is_reproducible_with_a_seed_and_differs_across_seeds(lm):
     run = lambda seed: generate_cached(module, params, cfg, PROMPTS, 12, temperature=1.0, top_p=0.95, seed=seed)
     assert run(1) == run(1)
     assert run(1) != run(2)
+
+
+def test_a_row_samples_the_same_whichever_rows_share_its_batch(lm):
+    """Each row draws from its own generator (seed, row index): a share of a request, decoded
+    apart as a data-parallel rank decodes it, samples what the whole request samples."""
+    module, params, cfg = lm
+    kwargs = dict(temperature=1.0, top_p=0.95, seed=5)
+    whole = generate_cached(module, params, cfg, PROMPTS, 12, **kwargs)
+    dec = LocalDecoder(module, params, cfg)
+    assert decode(dec, cfg, [PROMPTS[2], PROMPTS[0]], 12, rows=[2, 0], **kwargs) == [whole[2], whole[0]]
+    assert decode(dec, cfg, [PROMPTS[1]], 12, rows=[1], **kwargs) == [whole[1]]
 
 
 def test_stop_tokens_end_each_sequence_and_stopped_rows_are_not_extended(lm):
