@@ -144,9 +144,10 @@ def decode(decoder: Decoder, cfg: Any, prompts: Sequence[Sequence[int]], max_new
     seeded with ``seed`` and the row's index in the request (``rows``: the prompts' indices,
     when they are a share of a larger request): the same call gives the same tokens. A
     sequence ends at the first token in ``stop_tokens``, which is not returned; so a list
-    shorter than ``max_new_tokens`` means that sequence stopped. Stopped rows are fed padding while the others go on, and their output
-    is not extended; generation ends when every row has stopped. On a mesh every rank calls
-    with the same arguments and returns the same tokens.
+    shorter than ``max_new_tokens`` means that sequence stopped. Stopped rows are fed padding
+    while the others go on, and their output is not extended; generation ends when every row
+    has stopped. On a mesh every rank calls with the same arguments and returns the same
+    tokens.
     """
     check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p)
     if not prompts or max_new_tokens == 0:
