@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from fxmega.errors import ConfigError
+
 _active = "reference"
 
 
@@ -40,8 +42,7 @@ def check_available(name: str, device: torch.device) -> None:
     """Fail loudly (no silent fallback) when ``name`` cannot run on ``device``."""
     if name != "triton":
         return
-    from fxmega.errors import ConfigError
-    from fxmega.kernels import triton_ops
+    from fxmega.kernels import triton_ops  # imports triton when installed
 
     if not triton_ops.AVAILABLE:
         raise ConfigError("compute.kernels=triton needs the triton package: pip install -e '.[triton]' "

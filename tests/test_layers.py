@@ -1,0 +1,92 @@
+"""The package's layers point one way: every fxmega module belongs to exactly one layer of
+``LAYERS`` (lowest first), and imports only from its own layer or the ones below. A new module
+must be placed here; a module that reaches up fails with the import that does it. Only
+optional heavy dependencies may be imported inside functions."""
+
+import ast
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+# lowest first: a module may import from its own layer and every layer above it in this list
+LAYERS = {
+    "core": "errors spec tree json_files device memory precision kernel_dump sharding.layout sharding.inspect "
+            "sharding.collectives sharding.mesh sharding.rules sharding.pipeline",
+    "building blocks": "kernels kernels.triton_ops kernels.triton_norms kernels.triton_cross_entropy layers losses "
+                       "objectives recompute init optim update metrics",
+    "models": "models models.bert models.gpt models.llama models.pieces models.registry models.census models.checks",
+    "data": "data data.batches data.blend data.classification data.corpus data.gpt_dataset data.indexed data.mlm "
+            "data.preprocess data.sources data.tokenizer data.vocab_files",
+    "config": "config",
+    "sharding plan": "sharding sharding.plan sharding.strategy sharding.estimate sharding.visualize schedules",
+    "distributed runtime": "sharding.runtime sharding.zero3 sharding.distributed",
+    "checkpoints and conversion": "checkpoint_files checkpoint run_state hf_files hf_layout hf_bert convert orbax_io",
+    "inference": "model_loader generate generate_parallel",
+    "training": "step pipeline_step evaluate faults heartbeat logs tracking train finetune",
+    "serving": "serve serve_mesh generation_cli",
+    "planning": "sharding.fake sharding.report sharding.auto summary",
+    "command line": "cli",
+}
+# imported inside functions because they are optional: the package imports without them
+OPTIONAL_INSIDE_FUNCTIONS = {"fxmega.kernels.triton_ops", "fxmega.kernels.triton_norms",
+                             "fxmega.kernels.triton_cross_entropy"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((ROOT / "fxmega").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _level() -> dict[str, int]:
+    return {f"fxmega.{m}": i for i, names in enumerate(LAYERS.values()) for m in names.split()}
+
+
+def _imports(tree: ast.AST, modules: dict[str, Path]) -> list[tuple[int, str]]:
+    """(line, module) for every fxmega module a file imports, names imported from a package
+    resolved to its submodules where they are ones."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "fxmega":
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                out.append((node.lineno, sub if sub in modules else node.module))
+        elif isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "fxmega"]
+    return [(line, m) for line, m in out if m in modules]
+
+
+def test_every_module_has_a_layer():
+    level, modules = _level(), _modules()
+    unplaced = sorted(m for m in modules if m != "fxmega" and m not in level)
+    stale = sorted(m for m in level if m not in modules)
+    assert not unplaced, f"place these modules in a layer of tests/test_layers.py: {unplaced}"
+    assert not stale, f"tests/test_layers.py names modules that do not exist: {stale}"
+
+
+def test_imports_point_down():
+    level, modules, names = _level(), _modules(), list(LAYERS)
+    upward = []
+    for module, path in modules.items():
+        if module == "fxmega":
+            continue
+        for line, target in _imports(ast.parse(path.read_text()), modules):
+            if target != "fxmega" and level[target] > level[module]:
+                upward.append(f"{path.relative_to(ROOT)}:{line}: {module} ({names[level[module]]}) imports "
+                              f"{target} ({names[level[target]]})")
+    assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
+def test_fxmega_modules_are_imported_at_module_level():
+    modules, inside = _modules(), []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for line, target in _imports(fn, modules):
+                    if target not in OPTIONAL_INSIDE_FUNCTIONS:
+                        inside.append(f"{path.relative_to(ROOT)}:{line}: {target}")
+    assert not inside, "fxmega modules imported inside functions (import them at the top):\n" + "\n".join(inside)
