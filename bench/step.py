@@ -27,10 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plain_gpt import PlainGPT  # noqa: E402
 
 from fxmega.config import ComputeConfig, DataConfig, OptimConfig, RunConfig, TrainConfig  # noqa: E402
-from fxmega.metrics import device_peak, model_flops_per_token  # noqa: E402
 from fxmega.models import gpt  # noqa: E402
 from fxmega.precision import compute_dtype  # noqa: E402
-from fxmega.train import Run  # noqa: E402
+from fxmega.training.metrics import device_peak, model_flops_per_token  # noqa: E402
+from fxmega.training.train import Run  # noqa: E402
 
 
 def interleaved(step_fns: dict, steps: int, warmup: int, rounds: int, sync) -> dict[str, list[float]]:

@@ -17,24 +17,24 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from fxmega import convert
+from fxmega.checkpoints import convert
+from fxmega.checkpoints.orbax_io import from_orbax, to_orbax
 from fxmega.config import RunConfig, load, override
 from fxmega.errors import ConfigError, FxmegaError
-from fxmega.evaluate import evaluate_checkpoint, report
-from fxmega.finetune import finetune
-from fxmega.generation_cli import generate_fn, generate_texts, load_generator
+from fxmega.inference.generation_cli import generate_fn, generate_texts, load_generator
+from fxmega.inference.model_loader import load_model, recorded_config, recorded_tokenizer
+from fxmega.inference.serve import serve
+from fxmega.inference.serve_mesh import Leader, follow
 from fxmega.init import count_params
-from fxmega.model_loader import load_model, recorded_config, recorded_tokenizer
 from fxmega.models import family_name, model_for
-from fxmega.orbax_io import from_orbax, to_orbax
-from fxmega.serve import serve
-from fxmega.serve_mesh import Leader, follow
 from fxmega.sharding import auto, distributed, visualize
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.report import parse_bytes, plan_report
 from fxmega.sharding.strategy import plan_from
 from fxmega.summary import summary
-from fxmega.train import train
+from fxmega.training.evaluate import evaluate_checkpoint, report
+from fxmega.training.finetune import finetune
+from fxmega.training.train import train
 
 # flag -> config key it sets
 FLAG_KEYS = {
@@ -330,7 +330,7 @@ def _eval(cfg: RunConfig, parallel: Any, device: Any) -> None:
 
 
 def _finetune(cfg: RunConfig, args: argparse.Namespace, argv: list[str]) -> int:
-    """Sequence classification (``fxmega.finetune``) on one device, or on the mesh's ranks
+    """Sequence classification (``fxmega.training.finetune``) on one device, or on the mesh's ranks
     (started with torch.distributed.run when not under a launcher already)."""
 
     if not args.data_path:
@@ -364,7 +364,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def _serve(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespace) -> None:
     """An HTTP completion server on one device, or on a mesh: rank 0 answers HTTP and the
-    other ranks follow its requests (``fxmega.serve_mesh``)."""
+    other ranks follow its requests (``fxmega.inference.serve_mesh``)."""
     run = load_generator(cfg, parallel, device)
     if parallel is not None and parallel.rank != 0:
         # a follower waits inside a collective, where no Python signal handler runs: let the

@@ -238,7 +238,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KV,
     ``write.mask``. Returns the output and the new cache; the old one is not modified
     (``slice_scatter`` copies, like JAX's ``dynamic_update_slice``).
 
-    Under a sharding plan (tensor-parallel decoding, ``fxmega.generate_parallel``) q, k, v and
+    Under a sharding plan (tensor-parallel decoding, ``fxmega.inference.generate_parallel``) q, k, v and
     the cache are split over heads: each rank writes and reads only its own heads' cache, and
     the attention itself runs per shard through ``local``."""
     if write.cos is not None:

@@ -7,8 +7,8 @@ import torch
 
 from fxmega import tree
 from fxmega.init import count_params, meta_params
-from fxmega.metrics import model_flops_per_token
 from fxmega.models import family_name, model_for
+from fxmega.training.metrics import model_flops_per_token
 
 
 def check_shapes(model_cfg: object, seq_len: int, batch: int = 1) -> tuple[int, ...]:

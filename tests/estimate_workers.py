@@ -35,7 +35,7 @@ def _nbytes(ts) -> int:
 def state_bytes(sets: list[str]) -> dict:
     """Bytes this rank's parameters, AdamW moments and gradient-accumulation buffers hold
     after one eager step, and the prediction for this rank."""
-    from fxmega.train import Run
+    from fxmega.training.train import Run
 
     cfg = config(["train.compile=false", *sets])
     par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
@@ -55,8 +55,8 @@ def step_peak(sets: list[str]) -> dict:
     (the second call: the first compiles), and the predicted activations + transient."""
     from fxmega.memory import current_bytes, peak_bytes, reset_peak
     from fxmega.recompute import inductor_options
-    from fxmega.step import compiled, enable_autograd_in_compile
-    from fxmega.train import Run
+    from fxmega.training.step import compiled, enable_autograd_in_compile
+    from fxmega.training.train import Run
 
     torch.set_num_threads(1)
     cfg = config(["train.compile=false", *sets])
@@ -65,7 +65,7 @@ def step_peak(sets: list[str]) -> dict:
     run = Run(cfg, par, device)
     flat = tree.leaves(run.params)
     loss_sum = par.loss_sum_fn(loss_by_pieces(cfg.model, par.compute)) if par is not None else \
-        run._single_device_loss_sum
+        run.loss_sum
     batch = run.train_data.global_batch(0, cfg.train.micro_batch_size * mesh.data_size)
     if par is not None:
         batch = run._my_micro_batches(batch)[0]
@@ -108,7 +108,7 @@ def pipeline_step_peak(sets: list[str]) -> dict:
     """The peak a whole pipelined step (compiled stages, torch.distributed.pipelining's
     schedule, the update) adds above the resident set before it, and the prediction."""
     from fxmega.memory import current_bytes, peak_bytes, reset_peak
-    from fxmega.train import Run
+    from fxmega.training.train import Run
 
     torch.set_num_threads(1)
     cfg = config(["train.compile=true", *sets])

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxmega import hf_bert, init, tree
+from fxmega import init, tree
+from fxmega.checkpoints import hf_bert
 from fxmega.data import vocab_files as vf
 from fxmega.errors import CheckpointError, ConfigError, DataError
 from fxmega.models import bert

@@ -15,12 +15,13 @@ import time
 import pytest
 import torch
 
-from fxmega import checkpoint, tree
-from fxmega.checkpoint_files import MANIFEST, digests, write_manifest
+from fxmega import tree
+from fxmega.checkpoints import checkpoint
+from fxmega.checkpoints.checkpoint_files import MANIFEST, digests, write_manifest
 from fxmega.cli import main
 from fxmega.config import override
 from fxmega.errors import CheckpointError
-from fxmega.train import Run
+from fxmega.training.train import Run
 from tests.checkpoint_workers import config
 from tests.conftest import ROOT
 from tests.multirank import run_ranks

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fxmega import tree
+from fxmega.checkpoints.convert import from_hf, to_hf
 from fxmega.cli import main
-from fxmega.convert import from_hf, to_hf
 from fxmega.errors import CheckpointError, ConfigError
 from fxmega.models import gpt, llama
 from tests.conftest import ROOT

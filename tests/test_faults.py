@@ -100,7 +100,7 @@ def test_nonfinite_step_is_skipped_inside_the_compiled_step(monkeypatch):
     from torch._dynamo.utils import counters
 
     from fxmega import tree
-    from fxmega.train import Run
+    from fxmega.training.train import Run
 
     monkeypatch.setenv("FXMEGA_TEST_NAN_AT_STEP", "3")
     run = Run(_tiny("train.nonfinite=skip"))
@@ -130,7 +130,7 @@ def test_nonfinite_step_stops_with_diagnostics(monkeypatch, tmp_path, capsys):
 def test_bad_gradient_is_named_and_a_dropped_update_changes_nothing():
     import torch
 
-    from fxmega.optim import AdamWHyper, adamw_init, adamw_update, per_tensor_norms
+    from fxmega.training.optim import AdamWHyper, adamw_init, adamw_update, per_tensor_norms
 
     grads = [torch.ones(3), torch.tensor([1.0, float("nan")]), torch.full((2,), float("inf"))]
     assert (~torch.isfinite(per_tensor_norms(grads))).tolist() == [False, True, True]
@@ -144,7 +144,7 @@ def test_bad_gradient_is_named_and_a_dropped_update_changes_nothing():
 
 
 def test_loss_spike_detector():
-    from fxmega.faults import SpikeDetector
+    from fxmega.training.faults import SpikeDetector
 
     detector = SpikeDetector(z=6.0)
     assert all(detector.score(3.0 + 0.01 * (i % 3)) is None for i in range(20))

@@ -12,7 +12,6 @@ import random
 import pytest
 import torch
 
-from fxmega import finetune as ft
 from fxmega import init, tree
 from fxmega.config import load
 from fxmega.data.classification import load_classification
@@ -20,6 +19,7 @@ from fxmega.data.mlm import specials_for
 from fxmega.data.tokenizer import build_tokenizer
 from fxmega.errors import ConfigError, DataError
 from fxmega.models import gpt, llama
+from fxmega.training import finetune as ft
 from tests.conftest import ROOT
 from tests.tolerance import assert_within_rounding, forward_lengths, run_rtol
 
@@ -183,7 +183,7 @@ def test_save_then_load_continues_exactly(task, tmp_path):
 
 
 def test_load_language_model_checkpoint(task, tmp_path):
-    from fxmega.train import Run
+    from fxmega.training.train import Run
 
     run = Run(_cfg("tiny_llama"))
     run.save(str(tmp_path / "lm"))

@@ -10,7 +10,7 @@ import torch
 
 from fxmega.config import load
 from fxmega.data.tokenizer import ByteTokenizer
-from fxmega.generate import LocalDecoder, decode, generate_cached, sample_next, sample_text
+from fxmega.inference.generate import LocalDecoder, decode, generate_cached, sample_next, sample_text
 from fxmega.init import init_params
 from fxmega.models import gpt, llama
 from tests.conftest import ROOT

@@ -1,4 +1,4 @@
-"""Generation with the KV cache on a mesh (``fxmega.generate_parallel``): on 2 gloo ranks,
+"""Generation with the KV cache on a mesh (``fxmega.inference.generate_parallel``): on 2 gloo ranks,
 greedy decoding from the sharded parameters gives token for token what one device gives from
 the same seed's parameters — under tp for GPT and grouped-query Llama, batched prompts of
 different lengths and a vocabulary that tp pads (255 -> 256), each rank caching half the
@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from fxmega.config import ParallelConfig, load, override
-from fxmega.generate import LocalDecoder, generate_cached
-from fxmega.generate_parallel import MeshDecoder, generate_on_mesh
+from fxmega.inference.generate import LocalDecoder, generate_cached
+from fxmega.inference.generate_parallel import MeshDecoder, generate_on_mesh
 from fxmega.init import init_params
 from fxmega.models import model_for
 from fxmega.sharding import distributed
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.train import Run
+from fxmega.training.train import Run
 from tests.multirank import ROOT, run_ranks
 
 PROMPTS = [[5, 17, 99, 3, 42, 42, 7, 200, 11], [65], [1, 2, 3, 4]]

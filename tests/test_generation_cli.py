@@ -12,8 +12,8 @@ import pytest
 
 from fxmega.cli import main
 from fxmega.config import load, override
-from fxmega.generate import generate_cached
-from fxmega.train import Run
+from fxmega.inference.generate import generate_cached
+from fxmega.training.train import Run
 from tests.conftest import ROOT
 
 

@@ -18,7 +18,7 @@ from fxmega.data.gpt_dataset import GPTDataset, build_sample_index, parse_split,
 from fxmega.data.indexed import IndexedDataset, IndexedDatasetWriter
 from fxmega.data.preprocess import preprocess
 from fxmega.errors import ConfigError, DataError
-from fxmega.train import Run
+from fxmega.training.train import Run
 from tests.conftest import ROOT
 
 

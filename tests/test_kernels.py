@@ -212,7 +212,7 @@ def check_compile():
     from fxmega.kernels import triton_ops
     from fxmega.layers import rms_norm
 
-    torch._dynamo.config.trace_autograd_ops = True  # as fxmega.step.enable_autograd_in_compile
+    torch._dynamo.config.trace_autograd_ops = True  # as fxmega.training.step.enable_autograd_in_compile
 
     def step(norm, x, scale, w):
         # A train-step shape: loss, then autograd.grad on the leaves inside the compiled region.
@@ -265,7 +265,7 @@ def check_without_triton():
 
 def _train(model: str, kernels: str) -> tuple[list[float], list[float], object]:
     from fxmega.config import load, override
-    from fxmega.train import Run
+    from fxmega.training.train import Run
 
     torch._dynamo.reset()
     # the chunked loss runs the cross-entropy kernel; LayerNorm (GPT) or RMSNorm (Llama) the norms
@@ -301,7 +301,7 @@ def check_step_tiny_llama():
 def check_run_refuses():
     from fxmega.config import load, override
     from fxmega.errors import ConfigError
-    from fxmega.train import Run
+    from fxmega.training.train import Run
 
     cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), ["train.device=cpu", "compute.kernels=triton"])
     try:

@@ -2,9 +2,9 @@
 
 import torch
 
-from fxmega.generate import sample_next
-from fxmega.metrics import Peak, Throughput, known_peak, measure_peak, model_flops_per_token
+from fxmega.inference.generate import sample_next
 from fxmega.models import gpt
+from fxmega.training.metrics import Peak, Throughput, known_peak, measure_peak, model_flops_per_token
 
 
 def test_gpt2_flops_per_token_matches_palm_formula():

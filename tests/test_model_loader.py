@@ -1,4 +1,4 @@
-"""The parameters-only loader (``fxmega.model_loader``): what inference builds from a
+"""The parameters-only loader (``fxmega.inference.model_loader``): what inference builds from a
 checkpoint is the parameters and nothing else — no optimizer moments, no data, no step."""
 
 import pytest
@@ -8,8 +8,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fxmega import tree
 from fxmega.config import load, override
 from fxmega.errors import ConfigError
-from fxmega.model_loader import load_model
-from fxmega.train import Run
+from fxmega.inference.model_loader import init_model, load_model
+from fxmega.init import init_params
+from fxmega.training.train import Run
 from tests.conftest import ROOT
 
 FACTORIES = {"empty", "empty_strided", "zeros", "ones", "full", "rand", "randn", "normal", "zeros_like", "empty_like",
@@ -71,3 +72,15 @@ def test_a_tokenizer_smaller_than_the_vocabulary_is_the_only_refusal_of_a_wider_
     narrow = _cfg("model.vocab_size=200")
     with pytest.raises(ConfigError, match=r"model.vocab_size=200 is smaller than the byte tokenizer's 256"):
         load_model(narrow, path=str(tmp_path))
+
+
+def test_a_model_from_init_is_the_seeded_init_and_nothing_else():
+    cfg = _cfg()
+    with Allocations() as seen:
+        model = init_model(cfg)
+    want = init_params(model.specs, cfg.train.seed)
+    assert all(torch.equal(a, b) for a, b in zip(tree.leaves(model.params), tree.leaves(want)))
+    param_bytes = sum(t.numel() * t.element_size() for t in tree.leaves(want))
+    # the init draws each tensor once (randn, or zeros/ones), nothing for an optimizer
+    assert sum(seen.bytes.values()) == param_bytes, seen.bytes
+    assert model.tokenizer is None and not hasattr(model, "opt_state")

@@ -4,7 +4,7 @@ the Hugging Face implementations of GPT-2 and Llama."""
 import pytest
 import torch
 
-from fxmega import hf_layout
+from fxmega.checkpoints import hf_layout
 from fxmega.config import load
 from fxmega.init import count_params, init_params
 from fxmega.models import gpt, llama, model_for

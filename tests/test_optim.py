@@ -3,7 +3,7 @@
 import torch
 
 from fxmega.models import gpt
-from fxmega.optim import AdamWHyper, adamw_init, adamw_update, clip_by_global_norm_, decay_mask
+from fxmega.training.optim import AdamWHyper, adamw_init, adamw_update, clip_by_global_norm_, decay_mask
 from tests.tolerance import EPS32
 
 

@@ -12,7 +12,7 @@ from fxmega import layers, losses, tree
 from fxmega.config import load, override
 from fxmega.errors import ConfigError
 from fxmega.precision import LossScaler
-from fxmega.train import Run
+from fxmega.training.train import Run
 from tests.multirank import ROOT, run_ranks
 from tests.tolerance import assert_within_rounding, forward_lengths
 

@@ -17,8 +17,8 @@ sys.path.insert(0, str(ROOT))
 
 from fxmega import recompute, tree  # noqa: E402
 from fxmega.config import load, override  # noqa: E402
-from fxmega.step import compiled, enable_autograd_in_compile  # noqa: E402
-from fxmega.train import Run  # noqa: E402
+from fxmega.training.step import compiled, enable_autograd_in_compile  # noqa: E402
+from fxmega.training.train import Run  # noqa: E402
 from tests.tolerance import assert_within_rounding, run_lengths  # noqa: E402
 
 MODES = ("none", "selective", "full")
@@ -32,7 +32,7 @@ def _grads(model: str, mode: str, backend: str | None, extra: tuple = ()) -> tup
     batch = run.train_data.global_batch(0, cfg.train.global_batch_size)
 
     def loss_and_grads(flat: list[torch.Tensor], batch: dict) -> tuple:
-        loss = run._single_device_loss_sum(flat, batch)
+        loss = run.loss_sum(flat, batch)
         return loss.detach(), torch.autograd.grad(loss, flat)
 
     fn = loss_and_grads
@@ -99,7 +99,7 @@ def _measure(mode: str) -> dict:
     enable_autograd_in_compile()
 
     def loss_and_grads(flat: list[torch.Tensor], batch: dict) -> tuple:
-        loss = run._single_device_loss_sum(flat, batch)
+        loss = run.loss_sum(flat, batch)
         return loss.detach(), torch.autograd.grad(loss, flat)
 
     fn = compiled(loss_and_grads, options=recompute.inductor_options(mode != "none"))  # as fxmega's step

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from fxmega.config import OptimConfig
-from fxmega.schedules import lr_at
+from fxmega.training.schedules import lr_at
 
 
 def opt(**kw):

@@ -9,13 +9,14 @@ import shutil
 import pytest
 import torch
 
-from fxmega import checkpoint, tree
+from fxmega import tree
+from fxmega.checkpoints import checkpoint
+from fxmega.checkpoints.convert import from_hf
 from fxmega.cli import main
 from fxmega.config import load, override
-from fxmega.convert import from_hf
 from fxmega.data import vocab_files as vf
 from fxmega.data.tokenizer import build_tokenizer
-from fxmega.generate import generate_cached
+from fxmega.inference.generate import generate_cached
 from fxmega.init import init_params
 from fxmega.models import gpt
 from tests.conftest import ROOT

@@ -12,10 +12,10 @@ import pytest
 
 from fxmega.config import load
 from fxmega.data.tokenizer import ByteTokenizer
-from fxmega.generate import generate_cached
+from fxmega.inference.generate import generate_cached
+from fxmega.inference.serve import serve
 from fxmega.init import init_params
 from fxmega.models import gpt
-from fxmega.serve import serve
 from tests.conftest import ROOT
 
 TIMEOUT = 30  # seconds, for every request

@@ -44,7 +44,7 @@ def test_missing_tracker_is_a_clear_error(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_mlflow)
-    from fxmega.tracking import MlflowSink
+    from fxmega.training.tracking import MlflowSink
 
     with pytest.raises(ConfigError, match="needs mlflow: pip install -e '.\\[mlflow\\]'"):
         MlflowSink("file:/tmp/x", "e", "n", {})

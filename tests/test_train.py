@@ -6,11 +6,12 @@ import math
 import pytest
 import torch
 
-from fxmega import checkpoint, tree
+from fxmega import tree
+from fxmega.checkpoints import checkpoint
 from fxmega.cli import main
 from fxmega.config import override
 from fxmega.data.corpus import ensure_shakespeare
-from fxmega.train import Run, train
+from fxmega.training.train import Run, train
 from tests.conftest import ROOT
 
 

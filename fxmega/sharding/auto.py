@@ -27,11 +27,11 @@ from typing import Any
 
 from fxmega.config import override
 from fxmega.errors import ConfigError
-from fxmega.metrics import model_flops_per_token
 from fxmega.models import model_for
 from fxmega.sharding.pipeline import check_microbatches
 from fxmega.sharding.report import estimate_plan, text_table
 from fxmega.sharding.strategy import plan_from
+from fxmega.training.metrics import model_flops_per_token
 
 SCHEDULE_CHOICES = (("1f1b", 1), ("interleaved-1f1b", 2))
 RECOMPUTE_CHOICES = ("none", "selective", "full")

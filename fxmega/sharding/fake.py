@@ -26,15 +26,15 @@ import torch.distributed as dist
 from fxmega import tree
 from fxmega.errors import ConfigError
 from fxmega.models import loss_by_pieces, model_for
-from fxmega.optim import AdamWHyper, decay_mask
-from fxmega.pipeline_step import PipelineStep
 from fxmega.precision import compute_dtype
 from fxmega.sharding.distributed import local_specs
 from fxmega.sharding.inspect import Collective, record_collectives
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh
 from fxmega.sharding.runtime import Parallel
 from fxmega.sharding.strategy import plan_from
-from fxmega.step import TrainStep
+from fxmega.training.optim import AdamWHyper, decay_mask
+from fxmega.training.pipeline_step import PipelineStep
+from fxmega.training.step import TrainStep
 
 
 @contextlib.contextmanager

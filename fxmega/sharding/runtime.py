@@ -45,7 +45,7 @@ class PiecewiseLoss(Protocol):
 
 class Parallel:
     """This rank's part of a sharded run: built once per process from the plan and the
-    DeviceMesh, used by ``fxmega.train.Run`` (init, checkpoints) and by the compiled step."""
+    DeviceMesh, used by ``fxmega.training.train.Run`` (init, checkpoints) and by the compiled step."""
 
     def __init__(self, plan: ShardingPlan, device_mesh: Any, rank: int, specs: tree.Tree,
                  bucket_numel: int = 0, regather: bool = True, compute: Any = None) -> None:
@@ -212,7 +212,7 @@ class Parallel:
 
     def loss_sum_fn(self, model_loss: PiecewiseLoss) -> Callable[[list[torch.Tensor], dict], torch.Tensor]:
         """``(flat local params, local batch) -> this data rank's summed loss`` (a plain
-        tensor), for ``fxmega.step``: ``model_loss`` run with this rank's parameter tree,
+        tensor), for ``fxmega.training.step``: ``model_loss`` run with this rank's parameter tree,
         its piece call (cast, ZeRO-3 gather, recompute) and its layouts."""
 
         def loss_sum(flat: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:

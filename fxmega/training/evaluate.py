@@ -1,6 +1,6 @@
 """Validation loss: the mean objective over ``train.eval_iters`` fixed global batches of the
 validation split — the same sequences whatever the mesh — and ``run.py eval``, which takes
-it of a checkpoint's parameters (``fxmega.model_loader``: no optimizer state, no training
+it of a checkpoint's parameters (``fxmega.inference.model_loader``: no optimizer state, no training
 step) on any mesh. Perplexity is ``exp(mean loss)`` over those tokens.
 """
 
@@ -16,13 +16,13 @@ from fxmega import kernels, precision, recompute, tree
 from fxmega.config import RunConfig
 from fxmega.data.batches import micro_batches
 from fxmega.data.sources import build_data
-from fxmega.model_loader import LoadedModel, load_model
+from fxmega.inference.model_loader import LoadedModel, load_model
 from fxmega.models import lm_loss_sum, loss_by_pieces
 from fxmega.objectives import global_count
-from fxmega.optim import AdamWHyper
-from fxmega.pipeline_step import PipelineStep
 from fxmega.sharding.runtime import Parallel
-from fxmega.step import EvalStep, LossSumFn
+from fxmega.training.optim import AdamWHyper
+from fxmega.training.pipeline_step import PipelineStep
+from fxmega.training.step import EvalStep, LossSumFn
 
 Batch = dict[str, torch.Tensor]
 

@@ -12,7 +12,7 @@ The loss of each micro batch is a sum over its tokens divided by the token count
 whole global batch, so the gradients add up to those of the global mean whatever the
 micro-batch size, accumulation count or (with ``fxmega.sharding``) data-parallel size.
 
-Inputs are donated (see ``fxmega.optim``): params and optimizer state are updated in place
+Inputs are donated (see ``fxmega.training.optim``): params and optimizer state are updated in place
 and returned.
 """
 
@@ -26,10 +26,10 @@ import torch._dynamo
 
 from fxmega import tree
 from fxmega.objectives import global_count
-from fxmega.optim import AdamWHyper
 from fxmega.sharding.inspect import aot_eager_backend
 from fxmega.sharding.zero3 import backward_phase
-from fxmega.update import Update
+from fxmega.training.optim import AdamWHyper
+from fxmega.training.update import Update
 
 LossSumFn = Callable[[list[torch.Tensor], dict[str, torch.Tensor]], torch.Tensor]
 

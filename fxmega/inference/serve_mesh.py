@@ -18,8 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fxmega.generate import check_request
-from fxmega.generate_parallel import generate_on_mesh
+from fxmega.inference.generate import check_request
+from fxmega.inference.generate_parallel import generate_on_mesh
 
 _GENERATE, _PING, _STOP = "generate", "ping", "stop"
 

@@ -4,7 +4,7 @@
 says the server is up. The model is any ``generate_fn(prompts, max_new_tokens, temperature,
 top_k, top_p, stop_tokens, seed) -> new tokens per prompt``; for an fxmega model that is
 ``functools.partial(generate_cached, model, params, cfg)``, which stops at a stop token without
-returning it (see ``fxmega.generate``)::
+returning it (see ``fxmega.inference.generate``)::
 
     server = serve(partial(generate_cached, gpt, params, cfg), ByteTokenizer(), port=8000,
                    max_context=cfg.max_seq_len)

@@ -5,8 +5,8 @@ tied embedding on the first and last stage), the fp16 loss scale undone, the glo
 clipped, and AdamW applied only where every gradient on every rank is finite — a step with
 a non-finite gradient leaves parameters, moments and step count as they were.
 
-The caller computes the gradients (``fxmega.step``: ``autograd.grad`` in the same graph;
-``fxmega.pipeline_step``: torch's pipeline schedule) and hands them here.
+The caller computes the gradients (``fxmega.training.step``: ``autograd.grad`` in the same graph;
+``fxmega.training.pipeline_step``: torch's pipeline schedule) and hands them here.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fxmega.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms
+from fxmega.training.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms
 
 Grads = list[torch.Tensor]
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from fxmega import hf_files, tree
+from fxmega import tree
+from fxmega.checkpoints import hf_files
 from fxmega.errors import CheckpointError, ConfigError
 from fxmega.models import bert
 

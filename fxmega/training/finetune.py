@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
-from fxmega import checkpoint, layers, objectives, precision, run_state, tree
+from fxmega import layers, objectives, precision, tree
+from fxmega.checkpoints import checkpoint, run_state
+from fxmega.checkpoints.hf_bert import load_hf_dir
 from fxmega.config import RunConfig, to_dict
 from fxmega.data.batches import micro_batches
 from fxmega.data.classification import load_classification
@@ -30,19 +32,18 @@ from fxmega.data.mlm import specials_for
 from fxmega.data.tokenizer import build_tokenizer
 from fxmega.device import pick_device, set_deterministic
 from fxmega.errors import CheckpointError, ConfigError, DataError, NonFiniteError
-from fxmega.hf_bert import load_hf_dir
 from fxmega.init import init_params
 from fxmega.models import bert, family_name, model_for
 from fxmega.models.pieces import embed_inputs, run_pieces, top
 from fxmega.models.registry import ModelFamily
 from fxmega.objectives import global_count
-from fxmega.optim import AdamWHyper, adamw_init, decay_mask
 from fxmega.recompute import plain_call
-from fxmega.schedules import lr_at
 from fxmega.sharding import distributed, layout
 from fxmega.sharding.mesh import parse_mesh
 from fxmega.spec import ZEROS, ParamSpec, normal
-from fxmega.step import TrainStep, compiled, trainable
+from fxmega.training.optim import AdamWHyper, adamw_init, decay_mask
+from fxmega.training.schedules import lr_at
+from fxmega.training.step import TrainStep, compiled, trainable
 
 Batch = dict[str, torch.Tensor]
 

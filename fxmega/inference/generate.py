@@ -9,7 +9,7 @@ give alone. Prompt plus new tokens must fit in ``cfg.max_seq_len``.
 
 A ``Decoder`` is the model's forward by pieces while decoding
 (``fxmega.models.pieces.decode_pieces``) wherever its parameters are: ``LocalDecoder`` on one
-device; ``fxmega.generate_parallel.MeshDecoder`` split over tp and staged over pp. Every
+device; ``fxmega.inference.generate_parallel.MeshDecoder`` split over tp and staged over pp. Every
 decoder returns the same full logits on every rank, so every rank samples the same token
 from the same seeded generator without a broadcast. ``generate_cached(model, params, cfg,
 ...)`` is the loop on one device; ``sample_text`` is text in, text out.

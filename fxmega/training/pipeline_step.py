@@ -11,7 +11,7 @@ input part and a weight part by walking the stage's autograd graph — a compile
 one opaque autograd node, and torch refuses the combination — so those run eagerly.
 
 The loss is the objective's sum over each microbatch divided by the loss-term count of
-the whole global batch, as in ``fxmega.step``, so pp runs equal single-device runs. What
+the whole global batch, as in ``fxmega.training.step``, so pp runs equal single-device runs. What
 the first stage's embedding reads besides the tokens (``model.EMBED_INPUTS``, e.g. BERT's
 token types) and what the objective reads from the batch (``objective.batch_keys``: the
 targets and the loss mask) travel as one tensor each, split into microbatches along the
@@ -32,11 +32,11 @@ from fxmega import tree
 from fxmega.errors import ConfigError
 from fxmega.models.pieces import run_pieces
 from fxmega.objectives import Objective, global_count
-from fxmega.optim import AdamWHyper
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import SCHEDULES, SPLIT_BACKWARD, Stage, check_microbatches
-from fxmega.step import compiled
-from fxmega.update import Update
+from fxmega.training.optim import AdamWHyper
+from fxmega.training.step import compiled
+from fxmega.training.update import Update
 
 RESIDUAL = ("batch", "seq", "embed")
 LOGITS = ("batch", None, "vocab")
@@ -61,7 +61,7 @@ class _StageModule(nn.Module):
 
 
 class PipelineStep:
-    """Same interface as ``fxmega.step.TrainStep`` (``__call__`` returns params, optimizer
+    """Same interface as ``fxmega.training.step.TrainStep`` (``__call__`` returns params, optimizer
     state and metrics), plus ``eval_sum`` for validation."""
 
     def __init__(self, par: Any, cfg: Any, model: Any, objective: Objective, params: dict, decay: list[bool],

@@ -1,5 +1,5 @@
 """Where step metrics go: a JSONL file (one object per step), TensorBoard event files, and
-optional experiment trackers (``fxmega.tracking``: W&B, MLflow).
+optional experiment trackers (``fxmega.training.tracking``: W&B, MLflow).
 
 Only one rank writes (the caller decides which), so a sharded run's log has the same fields
 and lines as a single-device run's.
@@ -19,7 +19,7 @@ class RunLog:
     def __init__(self, jsonl_path: str = "", tensorboard_dir: str = "", sinks: list | None = None) -> None:
         self._jsonl = None
         self._tb = None
-        self._sinks = sinks or []  # experiment trackers (fxmega.tracking)
+        self._sinks = sinks or []  # experiment trackers (fxmega.training.tracking)
         if jsonl_path:
             Path(jsonl_path).parent.mkdir(parents=True, exist_ok=True)
             self._jsonl = open(jsonl_path, "a", buffering=1)

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from fxmega import checkpoint, tree
+from fxmega import tree
+from fxmega.checkpoints import checkpoint
 from fxmega.config import to_dict
 from fxmega.data.tokenizer import portable
 from fxmega.errors import CheckpointError

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxmega import tree
-from fxmega.generate import Cache, LocalDecoder, decode
+from fxmega.inference.generate import Cache, LocalDecoder, decode
 from fxmega.models.pieces import blocks_of, decode_pieces
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import Stage

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fxmega.checkpoint_files import MANIFEST, META, SafeReader, digests, read_meta, verify, write_manifest
+from fxmega.checkpoints.checkpoint_files import MANIFEST, META, SafeReader, digests, read_meta, verify, write_manifest
 from fxmega.errors import CheckpointError
 
 STEP_PREFIX = "step_"

@@ -1,5 +1,5 @@
 """``run.py generate`` and ``run.py serve``: a checkpoint's model, loaded onto the run's mesh,
-generating with a KV cache (``fxmega.generate``; on a mesh ``fxmega.generate_parallel``),
+generating with a KV cache (``fxmega.inference.generate``; on a mesh ``fxmega.inference.generate_parallel``),
 printing completions or serving them over HTTP."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 
 from fxmega.config import RunConfig
 from fxmega.errors import ConfigError
-from fxmega.generate_parallel import generate_on_mesh
-from fxmega.model_loader import LoadedModel, load_model
+from fxmega.inference.generate_parallel import generate_on_mesh
+from fxmega.inference.model_loader import LoadedModel, load_model
+from fxmega.inference.serve import cut_at_stop, stop_token_ids
 from fxmega.models import family_name, model_for
-from fxmega.serve import cut_at_stop, stop_token_ids
 from fxmega.sharding.runtime import Parallel
 
 

@@ -1,6 +1,6 @@
-"""Parameters only: a model built for inference from a checkpoint, sharded as the mesh says,
-with no optimizer moments, no data pipeline and no training step. ``run.py eval``,
-``generate``, ``serve`` and ``convert --to-hf`` start from it.
+"""Parameters only: a model built for inference from a checkpoint (or from its seeded init),
+sharded as the mesh says, with no optimizer moments, no data pipeline and no training step.
+``run.py eval``, ``generate``, ``serve`` and ``convert --to-hf`` start from it.
 
 The parameters are allocated empty at this rank's local shapes (its tp/ZeRO shards, its
 pipeline stages' blocks) and DCP reads the checkpoint straight into them, resharding from
@@ -18,12 +18,14 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from fxmega import checkpoint, run_state, tree
-from fxmega.checkpoint_files import read_meta
+from fxmega import tree
+from fxmega.checkpoints import checkpoint, run_state
+from fxmega.checkpoints.checkpoint_files import read_meta
 from fxmega.config import DataConfig, RunConfig, from_dict
 from fxmega.data.tokenizer import Tokenizer, build_tokenizer, stored_spec
 from fxmega.device import pick_device
 from fxmega.errors import ConfigError
+from fxmega.init import init_params
 from fxmega.models import model_for
 from fxmega.models.registry import ModelFamily
 from fxmega.sharding.runtime import Parallel
@@ -121,6 +123,23 @@ def recorded_tokenizer(path: str) -> str | None:
         return stored_spec(meta["tokenizer"], found)
     data = (meta.get("config") or {}).get("data")
     return DataConfig(**data).tokenizer if isinstance(data, dict) and "tokenizer" in data else None
+
+
+def init_model(cfg: RunConfig, parallel: Parallel | None = None, device: torch.device | None = None,
+               with_tokenizer: bool = False) -> LoadedModel:
+    """``cfg.model``'s parameters from its seeded init (``train.seed``), sharded as
+    ``parallel`` says and equal to the slice of the one-device init: a model to generate from
+    or measure without a checkpoint, still with no optimizer state and no data."""
+    model = model_for(cfg.model)
+    specs = model.param_specs(cfg.model)
+    device = device or pick_device(cfg.train.device)
+    if parallel is None:
+        params, local = init_params(specs, cfg.train.seed, device), specs
+    else:
+        params = tree.map_leaves(lambda t: t.detach(), parallel.init_params(cfg.train.seed, device))
+        local = parallel.specs
+    tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.data_dir) if with_tokenizer else None
+    return LoadedModel(cfg, model, specs, local, params, parallel, device, tokenizer)
 
 
 def load_model(cfg: RunConfig, parallel: Parallel | None = None, device: torch.device | None = None,

@@ -18,27 +18,29 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from fxmega import checkpoint, faults, kernels, precision, recompute, run_state, tracking, tree
+from fxmega import kernels, precision, recompute, tree
+from fxmega.checkpoints import checkpoint, run_state
 from fxmega.config import RunConfig, to_dict
 from fxmega.data.sources import build_data
 from fxmega.device import pick_device, set_deterministic
 from fxmega.errors import ConfigError, NonFiniteError
-from fxmega.evaluate import mean_loss, micro_sums, my_micro_batches, one_device_loss_sum
-from fxmega.generate import sample_text
-from fxmega.generate_parallel import generate_on_mesh
-from fxmega.heartbeat import Heartbeat
+from fxmega.inference.generate import sample_text
+from fxmega.inference.generate_parallel import generate_on_mesh
+from fxmega.inference.model_loader import full_params
 from fxmega.init import count_params, init_params
 from fxmega.kernel_dump import dump_kernels
-from fxmega.logs import RunLog
 from fxmega.memory import peak_bytes, reset_peak
-from fxmega.metrics import Throughput, device_peak, model_flops_per_token
-from fxmega.model_loader import full_params
 from fxmega.models import family_name, loss_by_pieces, model_for
 from fxmega.objectives import global_count
-from fxmega.optim import AdamWHyper, adamw_init, decay_mask
-from fxmega.pipeline_step import PipelineStep
-from fxmega.schedules import lr_at
-from fxmega.step import EvalStep, TrainStep, trainable
+from fxmega.training import faults, tracking
+from fxmega.training.evaluate import mean_loss, micro_sums, my_micro_batches, one_device_loss_sum
+from fxmega.training.heartbeat import Heartbeat
+from fxmega.training.logs import RunLog
+from fxmega.training.metrics import Throughput, device_peak, model_flops_per_token
+from fxmega.training.optim import AdamWHyper, adamw_init, decay_mask
+from fxmega.training.pipeline_step import PipelineStep
+from fxmega.training.schedules import lr_at
+from fxmega.training.step import EvalStep, TrainStep, trainable
 
 
 def check_compute(cfg: RunConfig, parallel: Any, device: torch.device) -> None:
@@ -107,6 +109,7 @@ class Run:
                                            self.device, backend=t.compile_backend, options=options)
             self.eval_step = None
         else:
+            self.loss_sum = loss_sum  # (flat params, batch) -> summed loss: what the steps differentiate
             self.train_step = TrainStep(loss_sum, decay, hyper, cfg.optim.clip_grad, compile=t.compile,
                                         parallel=parallel, backend=t.compile_backend, options=options)
             self.eval_step = EvalStep(loss_sum, compile=t.compile, backend=t.compile_backend)

@@ -1,0 +1,2 @@
+"""Checkpoints and conversion: DCP saves (atomic, verified, reshardable), what a run saves,
+and Hugging Face / orbax interop."""
