@@ -1,6 +1,7 @@
 """`run.py generate` and `run.py serve` on a trained checkpoint: the command line gives what
 the library gives, and the server answers real HTTP requests."""
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,30 @@ from fxmega.config import load, override
 from fxmega.inference.generate import generate_cached
 from fxmega.training.train import Run
 from tests.conftest import ROOT
+
+
+@contextlib.contextmanager
+def serving(args: list[str]):
+    """``run.py serve ARGS --port 0`` in a subprocess: yields its URL once it listens, and on
+    leaving interrupts it as Ctrl-C would (a mesh's launcher then stops its workers)."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "serve", *args, "--port", "0"], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        seen, url = [], None
+        for line in proc.stdout:  # the server says where it listens once it is up
+            seen.append(line)
+            if line.startswith("serving "):
+                url = line.split(" on ")[1].split()[0]
+                break
+        assert url and url.startswith("http://127.0.0.1:"), "".join(seen)[-3000:]
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -53,16 +78,7 @@ def test_generate_command_equals_the_library(trained, capsys):
 @pytest.mark.slow
 def test_serve_command_answers_completions(trained):
     args, _ = trained
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "serve", *args, "--port", "0"], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        url = None
-        for line in proc.stdout:  # the server says where it listens once it is up
-            if line.startswith("serving "):
-                url = line.split(" on ")[1].split()[0]
-                break
-        assert url and url.startswith("http://127.0.0.1:"), url
+    with serving(args) as url:
         body = json.dumps({"prompt": "the quick", "max_tokens": 8, "temperature": 0}).encode()
         request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -74,12 +90,6 @@ def test_serve_command_answers_completions(trained):
         with pytest.raises(urllib.error.HTTPError) as e:
             opener.open(bad, timeout=60)
         assert e.value.code == 400
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.mark.slow
@@ -102,18 +112,7 @@ def test_serve_on_a_tp2_mesh_answers_like_one_device(trained):
     """Rank 0 answers HTTP, rank 1 follows; request after request, the tokens are one device's."""
     args, corpus = trained
     ckpt = args[args.index("--load") + 1]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "serve", *args, "--mesh", "tp=2", "--port", "0"],
-                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    seen = []
-    try:
-        url = None
-        for line in proc.stdout:
-            seen.append(line)
-            if line.startswith("serving "):
-                url = line.split(" on ")[1].split()[0]
-                break
-        assert url and url.startswith("http://127.0.0.1:"), "".join(seen)[-3000:]
+    with serving([*args, "--mesh", "tp=2"]) as url:
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         for prompt in ("the quick", "over", "the lazy"):
             body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
@@ -130,9 +129,3 @@ def test_serve_on_a_tp2_mesh_answers_like_one_device(trained):
         with opener.open(urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}),
                          timeout=120) as response:  # the followers are still in step after a refusal
             assert json.loads(response.read())["choices"][0]["text"] == _library_greedy(corpus, ckpt, "over", 4)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
