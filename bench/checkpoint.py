@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fxmega.checkpoints import checkpoint  # noqa: E402
+from fxmega.storage import checkpoint  # noqa: E402
 
 
 def state(gb: float) -> dict[str, torch.Tensor]:

@@ -17,12 +17,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from fxmega.checkpoints import convert
-from fxmega.checkpoints.orbax_io import from_orbax, to_orbax
 from fxmega.config import RunConfig, load, override
 from fxmega.errors import ConfigError, FxmegaError
 from fxmega.inference.generation_cli import generate_fn, generate_texts, load_generator
-from fxmega.inference.model_loader import load_model, recorded_config, recorded_tokenizer
+from fxmega.inference.model_loader import load_model, recorded, recorded_config, recorded_tokenizer
 from fxmega.inference.serve import serve
 from fxmega.inference.serve_mesh import Leader, follow
 from fxmega.init import count_params
@@ -31,6 +29,8 @@ from fxmega.sharding import auto, distributed, visualize
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.report import parse_bytes, plan_report
 from fxmega.sharding.strategy import plan_from
+from fxmega.storage import convert
+from fxmega.storage.orbax_io import from_orbax, to_orbax
 from fxmega.summary import summary
 from fxmega.training.evaluate import evaluate_checkpoint, report
 from fxmega.training.finetune import finetune
@@ -197,11 +197,12 @@ def checkpoint_config(args: argparse.Namespace) -> RunConfig:
             return config_from_args(args)  # the command itself says that it needs --load
         raise ConfigError(f"{args.command} needs --load CKPT (a checkpoint records its model and tokenizer), or "
                           f"--config FILE with --load")
-    cfg = config_from_args(args, None if args.config else recorded_config(path))
+    found, meta = recorded(path)
+    cfg = config_from_args(args, None if args.config else recorded_config(found, meta))
     chosen = getattr(args, "flag:--tokenizer") is not None or any(
         o.split("=", 1)[0].strip() == "data.tokenizer" for o in args.overrides)
     if not chosen:
-        spec = recorded_tokenizer(path)
+        spec = recorded_tokenizer(found, meta)
         if spec is not None or not args.config:  # an old checkpoint under --config keeps the config's
             cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec or ""))
     return cfg
@@ -268,7 +269,8 @@ def _convert(args: argparse.Namespace) -> int:
         if not load:
             raise ConfigError("convert --to-hf/--to-orbax DIR needs --load CKPT (and, for a checkpoint written before "
                               "checkpoints described themselves, the --config it was trained with)")
-        cfg = override(config_from_args(args, None if args.config else recorded_config(load)), ["train.device=cpu"])
+        cfg = override(config_from_args(args, None if args.config else recorded_config(*recorded(load))),
+                       ["train.device=cpu"])
         run = load_model(cfg, path=load, with_tokenizer=False, command="convert --to-hf")
         if args.to_hf:
             path = convert.to_hf(family_name(cfg.model), cfg.model, run.params, target)

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from fxmega import init, tree
-from fxmega.checkpoints import hf_bert
 from fxmega.data import vocab_files as vf
 from fxmega.errors import CheckpointError, ConfigError, DataError
 from fxmega.models import bert
+from fxmega.storage import hf_bert
 from tests.conftest import ROOT
 from tests.tolerance import assert_within_rounding, forward_lengths
 

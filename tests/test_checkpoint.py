@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from fxmega import tree
-from fxmega.checkpoints import checkpoint
-from fxmega.checkpoints.checkpoint_files import MANIFEST, digests, write_manifest
 from fxmega.cli import main
 from fxmega.config import override
 from fxmega.errors import CheckpointError
+from fxmega.storage import checkpoint
+from fxmega.storage.checkpoint_files import MANIFEST, digests, write_manifest
 from fxmega.training.train import Run
 from tests.checkpoint_workers import config
 from tests.conftest import ROOT

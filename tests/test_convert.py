@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fxmega import tree
-from fxmega.checkpoints.convert import from_hf, to_hf
 from fxmega.cli import main
 from fxmega.errors import CheckpointError, ConfigError
 from fxmega.models import gpt, llama
+from fxmega.storage.convert import from_hf, to_hf
 from tests.conftest import ROOT
 
 transformers = pytest.importorskip("transformers")

@@ -101,7 +101,7 @@ def test_fuzzed_indexed_dataset_files(tmp_path, idx, bin_):
 def test_fuzzed_checkpoint_files(tmp_path, garbage, name):
     import torch
 
-    from fxmega.checkpoints import checkpoint
+    from fxmega.storage import checkpoint
 
     root = tmp_path / "ckpt"
     if not (root / "latest").exists():
@@ -110,7 +110,7 @@ def test_fuzzed_checkpoint_files(tmp_path, garbage, name):
     original = (step / name).read_bytes()
     (step / name).write_bytes(garbage)
     if name != "manifest.json":  # the attacker (or the disk) also rewrote the manifest
-        from fxmega.checkpoints.checkpoint_files import MANIFEST, digests, write_manifest
+        from fxmega.storage.checkpoint_files import MANIFEST, digests, write_manifest
 
         files = json.loads((step / MANIFEST).read_text())["files"]
         write_manifest(step, digests(step, sorted(files)))

@@ -20,9 +20,9 @@ LAYERS = {
     "config": "config",
     "sharding plan": "sharding sharding.plan sharding.strategy sharding.estimate sharding.visualize",
     "distributed runtime": "sharding.runtime sharding.zero3 sharding.distributed",
-    "checkpoints and conversion": "checkpoints checkpoints.checkpoint_files checkpoints.checkpoint "
-                                  "checkpoints.run_state checkpoints.hf_files checkpoints.hf_layout "
-                                  "checkpoints.hf_bert checkpoints.convert checkpoints.orbax_io",
+    "checkpoints and conversion": "storage storage.checkpoint_files storage.checkpoint storage.run_state "
+                                  "storage.hf_files storage.hf_layout storage.hf_bert storage.convert "
+                                  "storage.orbax_io",
     "inference": "inference inference.model_loader inference.generate inference.generate_parallel",
     "training": "training training.optim training.update training.schedules training.metrics training.step "
                 "training.pipeline_step training.evaluate training.faults training.heartbeat training.logs "

@@ -4,10 +4,10 @@ the Hugging Face implementations of GPT-2 and Llama."""
 import pytest
 import torch
 
-from fxmega.checkpoints import hf_layout
 from fxmega.config import load
 from fxmega.init import count_params, init_params
 from fxmega.models import gpt, llama, model_for
+from fxmega.storage import hf_layout
 from fxmega.summary import check_shapes, summary
 from tests.conftest import ROOT
 from tests.tolerance import assert_within_rounding

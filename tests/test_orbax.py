@@ -40,7 +40,7 @@ def test_round_trip_through_orbax(tmp_path, capsys):
 
 
 def test_orbax_without_model_description_is_a_clear_error(tmp_path):
-    from fxmega.checkpoints.orbax_io import from_orbax
+    from fxmega.storage.orbax_io import from_orbax
 
     with pytest.raises(CheckpointError, match="has no usable fxmega_model.json"):
         from_orbax(tmp_path)

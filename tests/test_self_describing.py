@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from fxmega import tree
-from fxmega.checkpoints import checkpoint
-from fxmega.checkpoints.convert import from_hf
 from fxmega.cli import main
 from fxmega.config import load, override
 from fxmega.data import vocab_files as vf
@@ -19,6 +17,8 @@ from fxmega.data.tokenizer import build_tokenizer
 from fxmega.inference.generate import generate_cached
 from fxmega.init import init_params
 from fxmega.models import gpt
+from fxmega.storage import checkpoint
+from fxmega.storage.convert import from_hf
 from tests.conftest import ROOT
 
 transformers = pytest.importorskip("transformers")

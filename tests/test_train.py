@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from fxmega import tree
-from fxmega.checkpoints import checkpoint
 from fxmega.cli import main
 from fxmega.config import override
 from fxmega.data.corpus import ensure_shakespeare
+from fxmega.storage import checkpoint
 from fxmega.training.train import Run, train
 from tests.conftest import ROOT
 

@@ -13,15 +13,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fxmega import tree
-from fxmega.checkpoints import checkpoint, run_state
-from fxmega.checkpoints.checkpoint_files import read_meta
-from fxmega.config import DataConfig, RunConfig, from_dict
+from fxmega.config import RunConfig, from_dict
 from fxmega.data.tokenizer import Tokenizer, build_tokenizer, stored_spec
 from fxmega.device import pick_device
 from fxmega.errors import ConfigError
@@ -29,6 +26,8 @@ from fxmega.init import init_params
 from fxmega.models import model_for
 from fxmega.models.registry import ModelFamily
 from fxmega.sharding.runtime import Parallel
+from fxmega.storage import checkpoint, run_state
+from fxmega.storage.checkpoint_files import read_meta
 
 
 @dataclass
@@ -64,33 +63,6 @@ def empty_params(specs: dict, parallel: Parallel | None, device: torch.device,
                            parallel.layout_tree)
 
 
-class ParamHolder(Protocol):
-    """What holds a model's parameters on this rank: a ``LoadedModel`` or a training ``Run``."""
-
-    parallel: Parallel | None
-    specs: dict
-    local_specs: dict
-    params: dict
-    device: torch.device
-
-
-def full_params(holder: ParamHolder) -> dict:
-    """The whole model's parameters as full, unsharded tensors on every rank (every rank takes
-    part). Pipeline stages are exchanged with an all_gather_object over pp: for sampling and
-    exporting a small model, not for 70B."""
-    par = holder.parallel
-    if par is None:
-        return holder.params
-    flat = par.full_tensors(tree.leaves(holder.params))
-    if par.plan.pipeline is None:
-        return tree.unflatten_like(holder.specs, flat)
-    mine = {p: t.cpu() for p, t in zip(tree.paths(holder.local_specs), flat)}
-    everyone: list[dict] = [None] * par.spec.size("pp")  # type: ignore[list-item]
-    dist.all_gather_object(everyone, mine, group=par.group(("pp",)).get_group())
-    merged = {p: t for part in everyone for p, t in part.items()}
-    return tree.map_with_path(lambda path, _: merged[path].to(holder.device), holder.specs)
-
-
 def recorded(path: str) -> tuple[Path, dict[str, Any]]:
     """The checkpoint ``--load path`` names and its meta (read, not yet verified: loading
     verifies every file)."""
@@ -100,10 +72,9 @@ def recorded(path: str) -> tuple[Path, dict[str, Any]]:
     return found, read_meta(found)
 
 
-def recorded_config(path: str) -> RunConfig:
-    """The run config a checkpoint records (a training run's whole config; a converted
-    model's model section, the rest at their defaults)."""
-    found, meta = recorded(path)
+def recorded_config(found: Path, meta: dict[str, Any]) -> RunConfig:
+    """The run config checkpoint ``found`` records in ``meta`` (``recorded``): a training run's
+    whole config; a converted model's model section, the rest at their defaults."""
     saved = meta.get("config")
     if not saved or "model" not in saved:
         raise ConfigError(f"{found} records no model config (a checkpoint written before checkpoints described "
@@ -114,15 +85,14 @@ def recorded_config(path: str) -> RunConfig:
     return cfg if "name" in saved else dataclasses.replace(cfg, name=found.parent.name)
 
 
-def recorded_tokenizer(path: str) -> str | None:
-    """The tokenizer spec to read a checkpoint's text with: the one it recorded (its own
-    copies of the files), else the one its saved run config names; None when it says
+def recorded_tokenizer(found: Path, meta: dict[str, Any]) -> str | None:
+    """The tokenizer spec to read checkpoint ``found``'s text with: the one it recorded (its
+    own copies of the files), else the one its saved run config names; None when it says
     nothing (a model converted before checkpoints recorded their tokenizer)."""
-    found, meta = recorded(path)
     if meta.get("tokenizer"):
         return stored_spec(meta["tokenizer"], found)
     data = (meta.get("config") or {}).get("data")
-    return DataConfig(**data).tokenizer if isinstance(data, dict) and "tokenizer" in data else None
+    return data.get("tokenizer") if isinstance(data, dict) else None
 
 
 def init_model(cfg: RunConfig, parallel: Parallel | None = None, device: torch.device | None = None,

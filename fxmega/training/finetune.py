@@ -23,8 +23,6 @@ from typing import Any
 import torch
 
 from fxmega import layers, objectives, precision, tree
-from fxmega.checkpoints import checkpoint, run_state
-from fxmega.checkpoints.hf_bert import load_hf_dir
 from fxmega.config import RunConfig, to_dict
 from fxmega.data.batches import micro_batches
 from fxmega.data.classification import load_classification
@@ -41,6 +39,8 @@ from fxmega.recompute import plain_call
 from fxmega.sharding import distributed, layout
 from fxmega.sharding.mesh import parse_mesh
 from fxmega.spec import ZEROS, ParamSpec, normal
+from fxmega.storage import checkpoint, run_state
+from fxmega.storage.hf_bert import load_hf_dir
 from fxmega.training.optim import AdamWHyper, adamw_init, decay_mask
 from fxmega.training.schedules import lr_at
 from fxmega.training.step import TrainStep, compiled, trainable

@@ -16,22 +16,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from fxmega import kernels, precision, recompute, tree
-from fxmega.checkpoints import checkpoint, run_state
 from fxmega.config import RunConfig, to_dict
 from fxmega.data.sources import build_data
 from fxmega.device import pick_device, set_deterministic
 from fxmega.errors import ConfigError, NonFiniteError
 from fxmega.inference.generate import sample_text
 from fxmega.inference.generate_parallel import generate_on_mesh
-from fxmega.inference.model_loader import full_params
 from fxmega.init import count_params, init_params
 from fxmega.kernel_dump import dump_kernels
 from fxmega.memory import peak_bytes, reset_peak
 from fxmega.models import family_name, loss_by_pieces, model_for
 from fxmega.objectives import global_count
+from fxmega.storage import checkpoint, run_state
 from fxmega.training import faults, tracking
 from fxmega.training.evaluate import mean_loss, micro_sums, my_micro_batches, one_device_loss_sum
 from fxmega.training.heartbeat import Heartbeat
@@ -182,8 +182,20 @@ class Run:
                          self.parallel, self.device)
 
     def full_params(self) -> dict:
-        """The parameters as full, unsharded tensors (every rank takes part)."""
-        return full_params(self)
+        """The whole model's parameters as full, unsharded tensors on every rank (every rank
+        takes part). Pipeline stages are exchanged with an all_gather_object over pp: for
+        checking small models, not for 70B."""
+        par = self.parallel
+        if par is None:
+            return self.params
+        flat = par.full_tensors(tree.leaves(self.params))
+        if not self.pipelined:
+            return tree.unflatten_like(self.specs, flat)
+        mine = {p: t.cpu() for p, t in zip(tree.paths(self.local_specs), flat)}
+        everyone: list[dict] = [None] * par.spec.size("pp")  # type: ignore[list-item]
+        dist.all_gather_object(everyone, mine, group=par.group(("pp",)).get_group())
+        merged = {p: t for part in everyone for p, t in part.items()}
+        return tree.map_with_path(lambda path, _: merged[path].to(self.device), self.specs)
 
     def save(self, root: str) -> str:
         """Save a checkpoint of this step under ``root`` (asynchronously with
@@ -191,8 +203,9 @@ class Run:
         t = self.cfg.train
         if self._checkpointer is None or self._checkpointer.root != Path(root):
             self._checkpointer = checkpoint.Checkpointer(root, t.keep_last, t.async_save)
-        files = run_state.tokenizer_files(self)[1]
-        return str(self._checkpointer.save(self.step, run_state.tensors(self), run_state.meta(self), files))
+        spec, files = run_state.tokenizer_files(self)
+        meta = run_state.meta(self) | {"tokenizer": spec}
+        return str(self._checkpointer.save(self.step, run_state.tensors(self), meta, files))
 
     def finish_saves(self) -> None:
         if self._checkpointer is not None:

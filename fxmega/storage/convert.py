@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from fxmega import tree
-from fxmega.checkpoints import checkpoint, hf_files, hf_layout
-from fxmega.checkpoints.checkpoint_files import digests
-from fxmega.checkpoints.hf_bert import load_hf_dir
 from fxmega.data.tokenizer import portable
 from fxmega.errors import CheckpointError, ConfigError
 from fxmega.json_files import check_fields
 from fxmega.models import gpt, llama
+from fxmega.storage import checkpoint, hf_files, hf_layout
+from fxmega.storage.checkpoint_files import digests
+from fxmega.storage.hf_bert import load_hf_dir
 
 
 def tensor_files(path: Path) -> list[str]:
@@ -119,7 +119,7 @@ def config_to_hf(family: str, cfg: gpt.Config | llama.Config, dtype: torch.dtype
 
 def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[str, Any, dict]:
     """(family, Config, parameter tree) from a local Hugging Face model directory (GPT-2,
-    Llama, or BERT: ``fxmega.checkpoints.hf_bert``)."""
+    Llama, or BERT: ``fxmega.storage.hf_bert``)."""
     path = Path(path)
     if hf_files.read_config(path, "give a Hugging Face model directory").get("model_type") == "bert":
 

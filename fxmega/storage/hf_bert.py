@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from fxmega import tree
-from fxmega.checkpoints import hf_files
 from fxmega.errors import CheckpointError, ConfigError
 from fxmega.models import bert
+from fxmega.storage import hf_files
 
 # Which Hugging Face classes hold the pooler and the MLM head (``cls.predictions``); the
 # others build their ``BertModel`` with ``add_pooling_layer=False`` or have no MLM head.

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from fxmega import tree
-from fxmega.checkpoints import checkpoint
 from fxmega.config import to_dict
 from fxmega.data.tokenizer import portable
 from fxmega.errors import CheckpointError
 from fxmega.models import family_name
+from fxmega.storage import checkpoint
 
 FORMAT = 1
 
@@ -63,7 +63,7 @@ def meta(run: Any, params_only: bool = False) -> dict[str, Any]:
         "data": run.data.description, "config": to_dict(run.cfg), "model_family": family_name(run.cfg.model),
         "mesh": run.parallel.spec.describe() if run.parallel is not None else "1", "params_only": params_only,
         "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(), "saved_at": time.time(),
-        "skipped_steps": run.skipped_steps, "tokenizer": tokenizer_files(run)[0],
+        "skipped_steps": run.skipped_steps,
         "loss_scaler": run.scaler.state_dict() if run.scaler is not None and not params_only else None,
     }
 

@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fxmega.checkpoints.checkpoint_files import MANIFEST, META, SafeReader, digests, read_meta, verify, write_manifest
 from fxmega.errors import CheckpointError
+from fxmega.storage.checkpoint_files import MANIFEST, META, SafeReader, digests, read_meta, verify, write_manifest
 
 STEP_PREFIX = "step_"
 # DCP says this for every single-process save, from the writer thread too when async
