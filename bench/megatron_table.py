@@ -23,11 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dataclasses import replace  # noqa: E402
 
 from fxmega.config import ComputeConfig, ParallelConfig, RunConfig, TrainConfig  # noqa: E402
-from fxmega.errors import ConfigError  # noqa: E402
-from fxmega.init import count_params  # noqa: E402
+from fxmega.core.errors import ConfigError  # noqa: E402
 from fxmega.models import gpt  # noqa: E402
-from fxmega.sharding import auto  # noqa: E402
-from fxmega.sharding.report import estimate_plan  # noqa: E402
+from fxmega.ops.init import count_params  # noqa: E402
+from fxmega.planning import auto  # noqa: E402
+from fxmega.planning.report import estimate_plan  # noqa: E402
 from fxmega.sharding.strategy import plan_from  # noqa: E402
 
 # size, heads, hidden, layers, TP, PP, DP, GPUs, global batch, their TFLOP/s per GPU, MFU

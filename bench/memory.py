@@ -48,7 +48,7 @@ def compute_worker(kind: str, precision: str, recompute: str, d: int, layers: in
 
     import torch
 
-    from fxmega.memory import current_bytes, peak_bytes, reset_peak
+    from fxmega.core.memory import current_bytes, peak_bytes, reset_peak
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

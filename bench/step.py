@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plain_gpt import PlainGPT  # noqa: E402
 
 from fxmega.config import ComputeConfig, DataConfig, OptimConfig, RunConfig, TrainConfig  # noqa: E402
+from fxmega.core.precision import compute_dtype  # noqa: E402
 from fxmega.models import gpt  # noqa: E402
-from fxmega.precision import compute_dtype  # noqa: E402
 from fxmega.training.metrics import device_peak, model_flops_per_token  # noqa: E402
 from fxmega.training.train import Run  # noqa: E402
 

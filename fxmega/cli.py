@@ -18,20 +18,21 @@ from collections.abc import Callable
 from typing import Any
 
 from fxmega.config import RunConfig, load, override
-from fxmega.errors import ConfigError, FxmegaError
+from fxmega.core.errors import ConfigError, FxmegaError
 from fxmega.inference.generation_cli import generate_fn, generate_texts, load_generator
 from fxmega.inference.model_loader import load_model, recorded, recorded_config, recorded_tokenizer
 from fxmega.inference.serve import serve
 from fxmega.inference.serve_mesh import Leader, follow
-from fxmega.init import count_params
 from fxmega.models import family_name, model_for
-from fxmega.sharding import auto, distributed, visualize
+from fxmega.ops.init import count_params
+from fxmega.planning import auto
+from fxmega.planning.report import parse_bytes, plan_report
+from fxmega.planning.summary import summary
+from fxmega.sharding import distributed, visualize
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.sharding.report import parse_bytes, plan_report
 from fxmega.sharding.strategy import plan_from
 from fxmega.storage import convert
 from fxmega.storage.orbax_io import from_orbax, to_orbax
-from fxmega.summary import summary
 from fxmega.training.evaluate import evaluate_checkpoint, report
 from fxmega.training.finetune import finetune
 from fxmega.training.train import train
@@ -284,7 +285,7 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def _plan(cfg: RunConfig, args: argparse.Namespace) -> int:
-    """``--plan``: the whole plan for ``--mesh`` in this process (``fxmega.sharding.report``)."""
+    """``--plan``: the whole plan for ``--mesh`` in this process (``fxmega.planning.report``)."""
 
     budget = parse_bytes(args.memory_per_device) if args.memory_per_device else None
     if args.plan:
@@ -302,7 +303,7 @@ def _plan(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 
 def _auto(args: argparse.Namespace) -> int:
-    """``--mesh auto``: rank the layouts for ``--devices`` devices (``fxmega.sharding.auto``)."""
+    """``--mesh auto``: rank the layouts for ``--devices`` devices (``fxmega.planning.auto``)."""
 
     if args.devices is None:
         raise ConfigError("--mesh auto needs --devices N: how many devices to plan for")

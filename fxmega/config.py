@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fxmega.core.errors import ConfigError
 from fxmega.data.gpt_dataset import parse_split
-from fxmega.errors import ConfigError
 from fxmega.models import family_name, model_for, registry
 from fxmega.models.registry import ModelConfig
 from fxmega.sharding.pipeline import SCHEDULES as PIPELINE_SCHEDULES

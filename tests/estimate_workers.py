@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from fxmega import tree
 from fxmega.config import load, override
+from fxmega.core import tree
 from fxmega.models import loss_by_pieces, model_for
 from fxmega.sharding import distributed, estimate
 from fxmega.sharding.mesh import MeshSpec
@@ -53,8 +53,8 @@ def state_bytes(sets: list[str]) -> dict:
 def step_peak(sets: list[str]) -> dict:
     """The peak a compiled (inductor) forward+backward adds above the resident set before it
     (the second call: the first compiles), and the predicted activations + transient."""
-    from fxmega.memory import current_bytes, peak_bytes, reset_peak
-    from fxmega.recompute import inductor_options
+    from fxmega.core.memory import current_bytes, peak_bytes, reset_peak
+    from fxmega.ops.recompute import inductor_options
     from fxmega.training.step import compiled, enable_autograd_in_compile
     from fxmega.training.train import Run
 
@@ -107,7 +107,7 @@ if __name__ == "__main__":  # python -m tests.estimate_workers [--pipeline] WORL
 def pipeline_step_peak(sets: list[str]) -> dict:
     """The peak a whole pipelined step (compiled stages, torch.distributed.pipelining's
     schedule, the update) adds above the resident set before it, and the prediction."""
-    from fxmega.memory import current_bytes, peak_bytes, reset_peak
+    from fxmega.core.memory import current_bytes, peak_bytes, reset_peak
     from fxmega.training.train import Run
 
     torch.set_num_threads(1)

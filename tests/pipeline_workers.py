@@ -7,8 +7,8 @@ import dataclasses
 import torch
 from torch._dynamo.utils import counters
 
-from fxmega import tree
 from fxmega.config import ParallelConfig
+from fxmega.core import tree
 from fxmega.sharding import distributed
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.training.train import Run

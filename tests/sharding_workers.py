@@ -7,9 +7,9 @@ import dataclasses
 import torch
 from torch._dynamo.utils import counters
 
-from fxmega import tree
 from fxmega.config import ParallelConfig, load, override
-from fxmega.memory import current_bytes, peak_bytes, reset_peak
+from fxmega.core import tree
+from fxmega.core.memory import current_bytes, peak_bytes, reset_peak
 from fxmega.sharding import distributed
 from fxmega.sharding.inspect import record_collectives
 from fxmega.sharding.mesh import MeshSpec
@@ -107,8 +107,8 @@ def vocab_parallel_cross_entropy(vocab: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from fxmega import layers
     from fxmega.models import gpt
+    from fxmega.ops import layers
     from fxmega.sharding import layout
     from fxmega.sharding.plan import make_plan
     from fxmega.sharding.rules import preset

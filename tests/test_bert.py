@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxmega import init, tree
+from fxmega.core import tree
+from fxmega.core.errors import CheckpointError, ConfigError, DataError
 from fxmega.data import vocab_files as vf
-from fxmega.errors import CheckpointError, ConfigError, DataError
 from fxmega.models import bert
+from fxmega.ops import init
 from fxmega.storage import hf_bert
 from tests.conftest import ROOT
 from tests.tolerance import assert_within_rounding, forward_lengths

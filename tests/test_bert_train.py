@@ -85,7 +85,7 @@ def test_bert_recomputes_its_blocks_and_refuses_the_chunked_loss():
     # BERT runs as pieces (embedding, blocks, MLM head) like every family, so its blocks can
     # be recomputed; its head (a transform, then the tied projection plus a bias) is not the
     # final norm and one projection that the chunked loss fuses
-    from fxmega.errors import ConfigError
+    from fxmega.core.errors import ConfigError
 
     plain, run = _run(steps=3)
     for mode in ("selective", "full"):

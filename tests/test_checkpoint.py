@@ -15,10 +15,10 @@ import time
 import pytest
 import torch
 
-from fxmega import tree
 from fxmega.cli import main
 from fxmega.config import override
-from fxmega.errors import CheckpointError
+from fxmega.core import tree
+from fxmega.core.errors import CheckpointError
 from fxmega.storage import checkpoint
 from fxmega.storage.checkpoint_files import MANIFEST, digests, write_manifest
 from fxmega.training.train import Run

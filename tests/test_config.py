@@ -4,7 +4,7 @@ import pytest
 
 from fxmega.cli import build_parser, config_from_args, main
 from fxmega.config import RunConfig, load, override
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 from fxmega.models import gpt
 from tests.conftest import ROOT
 

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
-from fxmega import tree
 from fxmega.cli import main
-from fxmega.errors import CheckpointError, ConfigError
+from fxmega.core import tree
+from fxmega.core.errors import CheckpointError, ConfigError
 from fxmega.models import gpt, llama
 from fxmega.storage.convert import from_hf, to_hf
 from tests.conftest import ROOT

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from fxmega.core.errors import DataError
 from fxmega.data.batches import MockTokens, TokenWindows, micro_batches
 from fxmega.data.corpus import EXPECTED_SHA256, ensure_shakespeare, sha256_of
-from fxmega.errors import DataError
 from tests.conftest import ROOT
 
 

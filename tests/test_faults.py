@@ -99,7 +99,7 @@ def test_nonfinite_step_is_skipped_inside_the_compiled_step(monkeypatch):
     import torch
     from torch._dynamo.utils import counters
 
-    from fxmega import tree
+    from fxmega.core import tree
     from fxmega.training.train import Run
 
     monkeypatch.setenv("FXMEGA_TEST_NAN_AT_STEP", "3")

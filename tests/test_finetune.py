@@ -12,13 +12,14 @@ import random
 import pytest
 import torch
 
-from fxmega import init, tree
 from fxmega.config import load
+from fxmega.core import tree
+from fxmega.core.errors import ConfigError, DataError
 from fxmega.data.classification import load_classification
 from fxmega.data.mlm import specials_for
 from fxmega.data.tokenizer import build_tokenizer
-from fxmega.errors import ConfigError, DataError
 from fxmega.models import gpt, llama
+from fxmega.ops import init
 from fxmega.training import finetune as ft
 from tests.conftest import ROOT
 from tests.tolerance import assert_within_rounding, forward_lengths, run_rtol

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from fxmega.cli import build_parser, config_from_args
 from fxmega.config import _all_keys, load
-from fxmega.errors import FxmegaError
+from fxmega.core.errors import FxmegaError
 from fxmega.models import model_for
 from fxmega.sharding.strategy import plan_from
 from tests.conftest import FUZZING, ROOT

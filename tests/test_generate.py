@@ -11,8 +11,8 @@ import torch
 from fxmega.config import load
 from fxmega.data.tokenizer import ByteTokenizer
 from fxmega.inference.generate import LocalDecoder, decode, generate_cached, sample_next, sample_text
-from fxmega.init import init_params
 from fxmega.models import gpt, llama
+from fxmega.ops.init import init_params
 from tests.conftest import ROOT
 from tests.tolerance import assert_within_rounding, forward_lengths
 

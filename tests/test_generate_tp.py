@@ -17,8 +17,8 @@ import torch
 from fxmega.config import ParallelConfig, load, override
 from fxmega.inference.generate import LocalDecoder, generate_cached
 from fxmega.inference.generate_parallel import MeshDecoder, generate_on_mesh
-from fxmega.init import init_params
 from fxmega.models import model_for
+from fxmega.ops.init import init_params
 from fxmega.sharding import distributed
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.training.train import Run

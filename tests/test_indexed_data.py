@@ -11,13 +11,13 @@ import torch
 
 from fxmega.cli import build_parser, config_from_args
 from fxmega.config import override
+from fxmega.core.errors import ConfigError, DataError
 from fxmega.data.batches import SampleBatches, micro_batches
 from fxmega.data.blend import blend_counts, blend_index, parse_data_path
 from fxmega.data.corpus import ensure_shakespeare
 from fxmega.data.gpt_dataset import GPTDataset, build_sample_index, parse_split, split_bounds
 from fxmega.data.indexed import IndexedDataset, IndexedDatasetWriter
 from fxmega.data.preprocess import preprocess
-from fxmega.errors import ConfigError, DataError
 from fxmega.training.train import Run
 from tests.conftest import ROOT
 

@@ -2,10 +2,10 @@
 
 import torch
 
-from fxmega import tree
-from fxmega.init import init_params, init_tensor, param_seed
+from fxmega.core import tree
+from fxmega.core.spec import ParamSpec, normal
 from fxmega.models import gpt
-from fxmega.spec import ParamSpec, normal
+from fxmega.ops.init import init_params, init_tensor, param_seed
 
 
 def test_same_seed_same_values_and_seed_matters(tiny_gpt):

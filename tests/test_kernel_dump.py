@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fxmega.config import ParallelConfig, load, override
-from fxmega.kernel_dump import NO_KERNELS, dump_kernels, parse_output_code
+from fxmega.core.kernel_dump import NO_KERNELS, dump_kernels, parse_output_code
 from fxmega.training.train import Run
 from tests.conftest import ROOT
 from tests.multirank import run_ranks

@@ -1,4 +1,4 @@
-"""Triton kernels (fxmega.kernels.triton_ops) against their torch references, on CPU through
+"""Triton kernels (fxmega.ops.kernels.triton_ops) against their torch references, on CPU through
 Triton's interpreter.
 
 Why every check runs in a child process: ``triton.jit`` chooses between a GPU kernel and an
@@ -114,8 +114,8 @@ def _inputs(shape, dtype, with_bias=False):
 
 
 def check_rms_norm():
-    from fxmega.kernels import triton_ops
-    from fxmega.layers import rms_norm
+    from fxmega.ops.kernels import triton_ops
+    from fxmega.ops.layers import rms_norm
 
     for dtype in TOLERANCE:
         for shape in SHAPES:
@@ -139,7 +139,7 @@ def check_rms_norm():
 
 
 def check_layer_norm():
-    from fxmega.kernels import triton_ops
+    from fxmega.ops.kernels import triton_ops
 
     for dtype in TOLERANCE:
         for shape in SHAPES:
@@ -162,7 +162,7 @@ def _cross_entropy_reference(logits, targets, vocab_size):
 
 
 def check_cross_entropy_rows():
-    from fxmega.kernels import triton_ops
+    from fxmega.ops.kernels import triton_ops
 
     torch.manual_seed(0)
     n, v, vocab_size = 5, 300, 250  # V is not a multiple of any block; columns 250.. are padding
@@ -192,7 +192,7 @@ def check_cross_entropy_rows():
 
 
 def check_opcheck():
-    from fxmega.kernels import triton_ops  # noqa: F401  (registers the ops)
+    from fxmega.ops.kernels import triton_ops  # noqa: F401  (registers the ops)
 
     ops = torch.ops.fxmega
     for dtype in TOLERANCE:
@@ -209,8 +209,8 @@ def check_opcheck():
 def check_compile():
     from torch._inductor.utils import run_and_get_code
 
-    from fxmega.kernels import triton_ops
-    from fxmega.layers import rms_norm
+    from fxmega.ops.kernels import triton_ops
+    from fxmega.ops.layers import rms_norm
 
     torch._dynamo.config.trace_autograd_ops = True  # as fxmega.training.step.enable_autograd_in_compile
 
@@ -236,7 +236,7 @@ def check_compile():
 
 
 def check_no_interpreter():
-    from fxmega.kernels import triton_ops
+    from fxmega.ops.kernels import triton_ops
 
     assert not triton_ops.INTERPRETED
     x = torch.randn(2, 8)
@@ -251,7 +251,7 @@ def check_no_interpreter():
 
 def check_without_triton():
     sys.modules["triton"] = None  # makes `import triton` raise ImportError, as if not installed
-    from fxmega.kernels import triton_ops
+    from fxmega.ops.kernels import triton_ops
 
     assert not triton_ops.AVAILABLE
     try:
@@ -300,7 +300,7 @@ def check_step_tiny_llama():
 
 def check_run_refuses():
     from fxmega.config import load, override
-    from fxmega.errors import ConfigError
+    from fxmega.core.errors import ConfigError
     from fxmega.training.train import Run
 
     cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), ["train.device=cpu", "compute.kernels=triton"])

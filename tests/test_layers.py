@@ -10,10 +10,11 @@ from tests.conftest import ROOT
 
 # lowest first: a module may import from its own layer and every layer above it in this list
 LAYERS = {
-    "core": "errors spec tree json_files device memory precision kernel_dump sharding.layout sharding.inspect "
-            "sharding.collectives sharding.mesh sharding.rules sharding.pipeline",
-    "building blocks": "kernels kernels.triton_ops kernels.triton_norms kernels.triton_cross_entropy layers losses "
-                       "objectives recompute init",
+    "core": "core core.errors core.spec core.tree core.json_files core.device core.memory core.precision "
+            "core.kernel_dump sharding.layout sharding.inspect sharding.collectives sharding.mesh sharding.rules "
+            "sharding.pipeline",
+    "building blocks": "ops ops.kernels ops.kernels.triton_ops ops.kernels.triton_norms "
+                       "ops.kernels.triton_cross_entropy ops.layers ops.losses ops.objectives ops.recompute ops.init",
     "models": "models models.bert models.gpt models.llama models.pieces models.registry models.census models.checks",
     "data": "data data.batches data.blend data.classification data.corpus data.gpt_dataset data.indexed data.mlm "
             "data.preprocess data.sources data.tokenizer data.vocab_files",
@@ -28,12 +29,12 @@ LAYERS = {
                 "training.pipeline_step training.evaluate training.faults training.heartbeat training.logs "
                 "training.tracking training.train training.finetune",
     "serving": "inference.serve inference.serve_mesh inference.generation_cli",
-    "planning": "sharding.fake sharding.report sharding.auto summary",
+    "planning": "planning planning.fake planning.report planning.auto planning.summary",
     "command line": "cli",
 }
 # imported inside functions because they are optional: the package imports without them
-OPTIONAL_INSIDE_FUNCTIONS = {"fxmega.kernels.triton_ops", "fxmega.kernels.triton_norms",
-                             "fxmega.kernels.triton_cross_entropy"}
+OPTIONAL_INSIDE_FUNCTIONS = {"fxmega.ops.kernels.triton_ops", "fxmega.ops.kernels.triton_norms",
+                             "fxmega.ops.kernels.triton_cross_entropy"}
 
 
 def _modules() -> dict[str, Path]:

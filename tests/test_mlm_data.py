@@ -4,9 +4,9 @@ deterministic per (seed, split, step), specials never masked, clear errors."""
 import pytest
 import torch
 
+from fxmega.core.errors import DataError
 from fxmega.data.batches import MockTokens
 from fxmega.data.mlm import MaskedLM, Specials, specials_for
-from fxmega.errors import DataError
 
 VOCAB = 259
 SPECIALS = Specials(256, 257, 258)

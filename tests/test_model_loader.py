@@ -5,11 +5,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxmega import tree
 from fxmega.config import load, override
-from fxmega.errors import ConfigError
+from fxmega.core import tree
+from fxmega.core.errors import ConfigError
 from fxmega.inference.model_loader import init_model, load_model
-from fxmega.init import init_params
+from fxmega.ops.init import init_params
 from fxmega.training.train import Run
 from tests.conftest import ROOT
 

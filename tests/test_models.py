@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from fxmega.config import load
-from fxmega.init import count_params, init_params
 from fxmega.models import gpt, llama, model_for
+from fxmega.ops.init import count_params, init_params
+from fxmega.planning.summary import check_shapes, summary
 from fxmega.storage import hf_layout
-from fxmega.summary import check_shapes, summary
 from tests.conftest import ROOT
 from tests.tolerance import assert_within_rounding
 
@@ -28,7 +28,7 @@ def test_parameter_counts_match_published_models(name, expected):
 
 def test_every_param_names_every_dim():
     for cfg in (gpt.Config(), llama.Config(n_kv_heads=8)):
-        from fxmega import tree
+        from fxmega.core import tree
 
         for path, spec in tree.items(model_for(cfg).param_specs(cfg)):
             assert len(spec.axes) == len(spec.shape), path

@@ -51,7 +51,7 @@ def test_clip_equals_clip_grad_norm():
 
 
 def test_default_decay_mask_skips_norms_biases_embeddings(tiny_gpt):
-    from fxmega import tree
+    from fxmega.core import tree
 
     specs = gpt.param_specs(tiny_gpt.model)
     mask = dict(zip(tree.paths(specs), decay_mask(specs)))

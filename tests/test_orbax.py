@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from fxmega import tree
 from fxmega.cli import main
 from fxmega.config import load, override
-from fxmega.errors import CheckpointError
+from fxmega.core import tree
+from fxmega.core.errors import CheckpointError
 from fxmega.training.train import Run
 from tests.conftest import ROOT
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxmega import tree
 from fxmega.cli import main
 from fxmega.config import ParallelConfig
-from fxmega.errors import ConfigError
+from fxmega.core import tree
+from fxmega.core.errors import ConfigError
 from fxmega.models import gpt
 from fxmega.sharding.pipeline import balanced_counts, check_microbatches, make_pipeline, parse_layout
 from fxmega.sharding.strategy import plan_from

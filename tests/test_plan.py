@@ -4,7 +4,7 @@ ConfigError naming what is wrong and the fix."""
 import pytest
 
 from fxmega.config import ParallelConfig
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 from fxmega.models import gpt, llama
 from fxmega.sharding.mesh import MeshSpec, check_world_size, parse_mesh
 from fxmega.sharding.plan import make_plan

@@ -6,10 +6,11 @@ import pytest
 from fxmega.cli import main
 from fxmega.config import load, override
 from fxmega.models import model_for
-from fxmega.sharding import auto, estimate
-from fxmega.sharding.fake import fake_parallel, fake_world, trace_rank_step
+from fxmega.planning import auto
+from fxmega.planning.fake import fake_parallel, fake_world, trace_rank_step
+from fxmega.planning.report import estimate_plan, parse_bytes, plan_report
+from fxmega.sharding import estimate
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.sharding.report import estimate_plan, parse_bytes, plan_report
 from fxmega.sharding.strategy import plan_from
 from tests.multirank import ROOT
 
@@ -59,7 +60,7 @@ def test_fake_parallel_shards_match_the_plan():
     with fake_world(8, 5):
         par = fake_parallel(cfg, 5)
         assert par.coords["tp"] == 1 and par.coords["fsdp"] == 0 and par.coords["dp"] == 1
-        from fxmega.sharding.fake import check_placements
+        from fxmega.planning.fake import check_placements
 
         assert check_placements(par) == 3 * len(par.layouts)
 
@@ -94,9 +95,9 @@ def test_activation_census_matches_autograd():
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from fxmega import tree
-    from fxmega.init import init_params
+    from fxmega.core import tree
     from fxmega.models import gpt, llama
+    from fxmega.ops.init import init_params
 
     def narrow(path: str, t: torch.Tensor, tp: int) -> torch.Tensor:
         dims = {"wqkv": -2, "bqkv": -2, "wq": 1, "wk": 1, "wv": 1, "wo": 0, "w_in": 1, "b_in": 0, "w_gate": 1,

@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxmega import layers, losses, tree
 from fxmega.config import load, override
-from fxmega.errors import ConfigError
-from fxmega.precision import LossScaler
+from fxmega.core import tree
+from fxmega.core.errors import ConfigError
+from fxmega.core.precision import LossScaler
+from fxmega.ops import layers, losses
 from fxmega.training.train import Run
 from tests.multirank import ROOT, run_ranks
 from tests.tolerance import assert_within_rounding, forward_lengths
@@ -177,8 +178,8 @@ def test_bf16_data_parallel_and_zero3_match_one_device():
 def test_padded_batch_attention_equals_each_sequence_alone(model):
     """Right-padded sequences through SDPA with a padding mask: the logits of every real
     token equal those of the sequence run alone, unpadded (the padding never leaks in)."""
-    from fxmega.init import init_params
     from fxmega.models import model_for
+    from fxmega.ops.init import init_params
 
     cfg = load(ROOT / "configs" / f"{model}.py").model
     module = model_for(cfg)

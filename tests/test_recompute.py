@@ -15,8 +15,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from fxmega import recompute, tree  # noqa: E402
 from fxmega.config import load, override  # noqa: E402
+from fxmega.core import tree  # noqa: E402
+from fxmega.ops import recompute  # noqa: E402
 from fxmega.training.step import compiled, enable_autograd_in_compile  # noqa: E402
 from fxmega.training.train import Run  # noqa: E402
 from tests.tolerance import assert_within_rounding, run_lengths  # noqa: E402
@@ -87,7 +88,7 @@ def test_recompute_lowers_peak_memory_of_the_compiled_step():
 def _measure(mode: str) -> dict:
     """Peak memory of a compiled (inductor) forward+backward whose activations dominate: a
     4-block GPT, d=64, 8 sequences of 256 tokens (the parameters are 0.8 MiB)."""
-    from fxmega.memory import current_bytes, peak_bytes, reset_peak
+    from fxmega.core.memory import current_bytes, peak_bytes, reset_peak
 
     torch.set_num_threads(1)
     cfg = override(load(ROOT / "configs" / "tiny_gpt.py"),

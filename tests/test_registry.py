@@ -12,14 +12,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from fxmega import layers, objectives
 from fxmega.config import DataConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig, to_dict
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
+from fxmega.core.spec import ONES, ZEROS, ParamSpec, normal
 from fxmega.models import family_name, model_for, registry
+from fxmega.ops import layers, objectives
 from fxmega.sharding import distributed
 from fxmega.sharding.layout import shard
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.spec import ONES, ZEROS, ParamSpec, normal
 from fxmega.training.train import Run
 from tests.multirank import run_ranks
 from tests.tolerance import assert_runs_match

@@ -9,14 +9,14 @@ import shutil
 import pytest
 import torch
 
-from fxmega import tree
 from fxmega.cli import main
 from fxmega.config import load, override
+from fxmega.core import tree
 from fxmega.data import vocab_files as vf
 from fxmega.data.tokenizer import build_tokenizer
 from fxmega.inference.generate import generate_cached
-from fxmega.init import init_params
 from fxmega.models import gpt
+from fxmega.ops.init import init_params
 from fxmega.storage import checkpoint
 from fxmega.storage.convert import from_hf
 from tests.conftest import ROOT

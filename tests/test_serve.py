@@ -14,8 +14,8 @@ from fxmega.config import load
 from fxmega.data.tokenizer import ByteTokenizer
 from fxmega.inference.generate import generate_cached
 from fxmega.inference.serve import serve
-from fxmega.init import init_params
 from fxmega.models import gpt
+from fxmega.ops.init import init_params
 from tests.conftest import ROOT
 
 TIMEOUT = 30  # seconds, for every request

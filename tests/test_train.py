@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from fxmega import tree
 from fxmega.cli import main
 from fxmega.config import override
+from fxmega.core import tree
 from fxmega.data.corpus import ensure_shakespeare
 from fxmega.storage import checkpoint
 from fxmega.training.train import Run, train

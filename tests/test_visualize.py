@@ -8,7 +8,7 @@ from html.parser import HTMLParser
 import pytest
 
 from fxmega.config import ParallelConfig
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 from fxmega.models import gpt
 from fxmega.sharding.mesh import parse_mesh
 from fxmega.sharding.plan import make_plan

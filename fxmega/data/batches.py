@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fxmega.errors import DataError
+from fxmega.core.errors import DataError
 
 _SPLIT_IDS = {"train": 0, "valid": 1}
 

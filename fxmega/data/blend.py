@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 
 
 def parse_data_path(value: str | list | tuple) -> list[tuple[float, str]]:

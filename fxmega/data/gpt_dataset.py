@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fxmega.core.errors import ConfigError, DataError
 from fxmega.data.indexed import IndexedDataset
-from fxmega.errors import ConfigError, DataError
 
 SPLIT_NAMES = ("train", "valid", "test")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fxmega.errors import DataError
+from fxmega.core.errors import DataError
 
 HEADER = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fxmega.errors import DataError
+from fxmega.core.errors import DataError
 
 _SPLIT_IDS = {"train": 10, "valid": 11}  # distinct from the token sampling's streams
 

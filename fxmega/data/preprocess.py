@@ -24,9 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from fxmega.core.errors import DataError, FxmegaError
 from fxmega.data.indexed import IndexedDatasetWriter, token_dtype
 from fxmega.data.tokenizer import build_tokenizer
-from fxmega.errors import DataError, FxmegaError
 
 BATCH_DOCS = 256  # documents per task sent to a worker
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fxmega.core.errors import ConfigError, DataError
 from fxmega.data.batches import MockTokens, SampleBatches, TokenWindows
 from fxmega.data.blend import BlendedDataset, blend_counts, parse_data_path
 from fxmega.data.corpus import ensure_shakespeare
@@ -19,7 +20,6 @@ from fxmega.data.gpt_dataset import GPTDataset, parse_split
 from fxmega.data.indexed import IndexedDataset, index_path
 from fxmega.data.mlm import MaskedLM, specials_for
 from fxmega.data.tokenizer import build_tokenizer
-from fxmega.errors import ConfigError, DataError
 
 
 @dataclass

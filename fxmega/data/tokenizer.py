@@ -25,9 +25,9 @@ from typing import Protocol
 
 import numpy as np
 
+from fxmega.core.errors import ConfigError, DataError
+from fxmega.core.json_files import is_a, read_object
 from fxmega.data.vocab_files import ensure_gpt2_ranks
-from fxmega.errors import ConfigError, DataError
-from fxmega.json_files import is_a, read_object
 
 # The split patterns of OpenAI's encodings (as in tiktoken_ext/openai_public.py, where only
 # r50k's is importable), so a rank file on disk is enough and tiktoken never goes to the

@@ -22,7 +22,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from fxmega.errors import DataError
+from fxmega.core.errors import DataError
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 import torch
 
-from fxmega import layers
 from fxmega.models.pieces import blocks_of, decode_pieces, init_cache
+from fxmega.ops import layers
 
 Cache = dict[int, layers.KV]  # global block index -> (keys, values)
 GenerateFn = Callable[..., list[list[int]]]  # (prompts, max_new_tokens, temperature, ...) -> new ids per prompt

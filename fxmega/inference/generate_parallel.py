@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fxmega import tree
+from fxmega.core import tree
 from fxmega.inference.generate import Cache, LocalDecoder, decode
 from fxmega.models.pieces import blocks_of, decode_pieces
 from fxmega.sharding import layout

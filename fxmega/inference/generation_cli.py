@@ -8,7 +8,7 @@ import functools
 from typing import Any
 
 from fxmega.config import RunConfig
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 from fxmega.inference.generate_parallel import generate_on_mesh
 from fxmega.inference.model_loader import LoadedModel, load_model
 from fxmega.inference.serve import cut_at_stop, stop_token_ids

@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from fxmega import tree
 from fxmega.config import RunConfig, from_dict
+from fxmega.core import tree
+from fxmega.core.device import pick_device
+from fxmega.core.errors import ConfigError
 from fxmega.data.tokenizer import Tokenizer, build_tokenizer, stored_spec
-from fxmega.device import pick_device
-from fxmega.errors import ConfigError
-from fxmega.init import init_params
 from fxmega.models import model_for
 from fxmega.models.registry import ModelFamily
+from fxmega.ops.init import init_params
 from fxmega.sharding.runtime import Parallel
 from fxmega.storage import checkpoint, run_state
 from fxmega.storage.checkpoint_files import read_meta

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from fxmega import losses, recompute
 from fxmega.models import bert, gpt, llama, registry
 from fxmega.models.pieces import PieceCall, embed_inputs, run_pieces, top
 from fxmega.models.registry import ModelFamily
+from fxmega.ops import losses, recompute
 
 for _name, _family in (("gpt", gpt), ("llama", llama), ("bert", bert)):
     registry.register(_name, _family)
@@ -32,7 +32,7 @@ def family_name(cfg: object) -> str:
 def head_loss_sum(model: ModelFamily) -> Callable[..., torch.Tensor]:
     """A piece function ``(head_params, x, cfg, targets, loss_mask, chunk) -> summed loss``:
     the model's final norm, then the output projection and cross-entropy a chunk of tokens
-    at a time (``fxmega.losses``), so the full logits never exist."""
+    at a time (``fxmega.ops.losses``), so the full logits never exist."""
     def run(params: dict, x: torch.Tensor, cfg: object, targets: torch.Tensor, loss_mask: torch.Tensor | None,
             chunk: int) -> torch.Tensor:
         h = model.final_hidden(params, x, cfg)

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fxmega import layers, objectives
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
+from fxmega.core.spec import ONES, ZEROS, ParamSpec, normal
 from fxmega.models import gpt
 from fxmega.models.checks import require_heads_divide, require_positive
+from fxmega.ops import layers, objectives
 from fxmega.sharding.layout import local, shard
-from fxmega.spec import ONES, ZEROS, ParamSpec, normal
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 
 
 def require_positive(cfg: object, names: tuple[str, ...], prefix: str) -> None:

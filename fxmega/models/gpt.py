@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from fxmega import layers, objectives
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
+from fxmega.core.spec import ONES, ZEROS, ParamSpec, normal
 from fxmega.models.census import Saved
 from fxmega.models.checks import require_heads_divide, require_positive
+from fxmega.ops import layers, objectives
 from fxmega.sharding.layout import shard
-from fxmega.spec import ONES, ZEROS, ParamSpec, normal
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from fxmega.layers import KV, CacheWrite
 from fxmega.models.registry import ModelFamily
-from fxmega.recompute import mode_for_block
+from fxmega.ops.layers import KV, CacheWrite
+from fxmega.ops.recompute import mode_for_block
 
 PieceCall = Callable[..., torch.Tensor]
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from fxmega.errors import ConfigError
-from fxmega.objectives import Objective
+from fxmega.core.errors import ConfigError
+from fxmega.ops.objectives import Objective
 
 
 class ModelConfig(Protocol):

@@ -1,6 +1,6 @@
 """What a step costs each rank, from the plan alone: memory by kind and communication by
 mesh axis. Pure arithmetic over the plan and the run config (no process group, no tensors),
-so it prices a 1,024-rank mesh in milliseconds; ``fxmega.sharding.auto`` ranks hundreds of
+so it prices a 1,024-rank mesh in milliseconds; ``fxmega.planning.auto`` ranks hundreds of
 candidate meshes with it.
 
 Memory on a rank (pp rank ``r``):
@@ -43,7 +43,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 from fxmega.models import model_for
 from fxmega.models.census import Saved
 from fxmega.sharding import collectives
@@ -163,7 +163,7 @@ def block_bytes(b: BlockShape, act: int, mode: str, compiled: bool = True) -> in
     """Bytes one block keeps for its backward, per micro batch, under recompute ``mode``:
     none keeps what autograd saves; selective the block input, the matmul outputs (the
     output projections' too) and the attention outputs; full the input and the attention
-    outputs (see fxmega.recompute).
+    outputs (see fxmega.ops.recompute).
 
     ``compiled``: fxmega's whole-step graph does not keep the norms' outputs, which eager
     autograd does: measured on CPU (inductor, tests/test_estimate.py), a GPT block adds 14.1
@@ -340,7 +340,7 @@ def _tp_traffic(plan: ShardingPlan, work: Workload, shape: BlockShape, blocks: l
             out.add("all_reduce", len(final_norms) * n, shape.embed * FP32, tp)
     else:
         # Megatron's f/g: two all-reduces per block forward and two backward; full recompute
-        # repeats one of them (the attention's output is kept, see fxmega.recompute)
+        # repeats one of them (the attention's output is kept, see fxmega.ops.recompute)
         out.add("all_reduce", (4 * len(blocks) + len(full) + (1 if full else 0)) * n, act_bytes, tp)
         if has_embed and _vocab_split(plan):
             out.add("all_reduce", n, act_bytes, tp)  # the vocab-parallel embedding's partial sums

@@ -21,7 +21,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 
 PHYSICAL_ORDER = ("pp", "dp", "fsdp", "ep", "cp", "tp")  # slowest to fastest
 DATA_AXES = ("dp", "fsdp")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 
 # name -> (torch.distributed.pipelining class, stages per rank: "one" | "many")
 SCHEDULES = {

@@ -16,12 +16,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fxmega import tree
-from fxmega.errors import ConfigError
+from fxmega.core import tree
+from fxmega.core.errors import ConfigError
+from fxmega.core.spec import ParamSpec
 from fxmega.sharding.mesh import DATA_AXES, PHYSICAL_ORDER, MeshSpec
 from fxmega.sharding.pipeline import PipelineLayout
 from fxmega.sharding.rules import LOGICAL_AXES, Strategy, mesh_axes_of
-from fxmega.spec import ParamSpec
 
 KINDS = ("param", "grad", "opt")
 BYTES_PER_ELEMENT = 4  # fp32 parameters, gradients and AdamW moments

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 
 Rules = dict[str, "str | tuple[str, ...] | None"]
 

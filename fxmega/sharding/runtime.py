@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import local_map
 
-from fxmega import precision, tree
-from fxmega.init import init_tensor
-from fxmega.recompute import checkpointed
+from fxmega.core import precision, tree
+from fxmega.ops.init import init_tensor
+from fxmega.ops.recompute import checkpointed
 from fxmega.sharding import collectives, layout
 from fxmega.sharding.mesh import DATA_AXES, PHYSICAL_ORDER
 from fxmega.sharding.plan import ParamLayout, ShardingPlan

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from fxmega import tree
 from fxmega.config import ParallelConfig
-from fxmega.errors import ConfigError
+from fxmega.core import tree
+from fxmega.core.errors import ConfigError
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.pipeline import PipelineLayout, make_pipeline
 from fxmega.sharding.plan import ShardingPlan, make_plan

@@ -24,7 +24,7 @@ import re
 import tempfile
 from collections.abc import Callable, Sequence
 
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
 from fxmega.sharding.plan import BYTES_PER_ELEMENT, ShardingPlan, format_bytes
 

@@ -24,7 +24,7 @@ import torch
 import torch.fx.traceback
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from fxmega import recompute as block_recompute
+from fxmega.ops import recompute as block_recompute
 from fxmega.sharding.collectives import all_gather, reduce_scatter
 
 
@@ -57,7 +57,7 @@ def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
 
 
 def _with_mode(mode: str) -> Callable[..., CheckpointPolicy]:
-    """The gather policy combined with a block recompute mode (``fxmega.recompute``): the
+    """The gather policy combined with a block recompute mode (``fxmega.ops.recompute``): the
     gathers are recomputed in any case; everything else as the mode says."""
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if func in _RECOMPUTE or getattr(func, "is_view", False):

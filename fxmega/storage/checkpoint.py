@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fxmega.errors import CheckpointError
+from fxmega.core.errors import CheckpointError
 from fxmega.storage.checkpoint_files import MANIFEST, META, SafeReader, digests, read_meta, verify, write_manifest
 
 STEP_PREFIX = "step_"

@@ -19,8 +19,8 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from fxmega.errors import CheckpointError
-from fxmega.json_files import check_fields, read_object
+from fxmega.core.errors import CheckpointError
+from fxmega.core.json_files import check_fields, read_object
 
 MANIFEST = "manifest.json"
 META = "meta.json"

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from fxmega import tree
+from fxmega.core import tree
+from fxmega.core.errors import CheckpointError, ConfigError
+from fxmega.core.json_files import check_fields
 from fxmega.data.tokenizer import portable
-from fxmega.errors import CheckpointError, ConfigError
-from fxmega.json_files import check_fields
 from fxmega.models import gpt, llama
 from fxmega.storage import checkpoint, hf_files, hf_layout
 from fxmega.storage.checkpoint_files import digests

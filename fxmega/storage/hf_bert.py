@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from fxmega import tree
-from fxmega.errors import CheckpointError, ConfigError
+from fxmega.core import tree
+from fxmega.core.errors import CheckpointError, ConfigError
 from fxmega.models import bert
 from fxmega.storage import hf_files
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fxmega.errors import CheckpointError
-from fxmega.json_files import read_object
+from fxmega.core.errors import CheckpointError
+from fxmega.core.json_files import read_object
 
 
 def read_config(folder: Path, fix: str) -> dict[str, Any]:

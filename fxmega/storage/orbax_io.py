@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from fxmega import tree
-from fxmega.errors import CheckpointError, ConfigError
-from fxmega.json_files import read_object
+from fxmega.core import tree
+from fxmega.core.errors import CheckpointError, ConfigError
+from fxmega.core.json_files import read_object
 from fxmega.models import registry
 
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from fxmega import tree
 from fxmega.config import to_dict
+from fxmega.core import tree
+from fxmega.core.errors import CheckpointError
 from fxmega.data.tokenizer import portable
-from fxmega.errors import CheckpointError
 from fxmega.models import family_name
 from fxmega.storage import checkpoint
 

@@ -12,13 +12,14 @@ from typing import Any
 
 import torch
 
-from fxmega import kernels, precision, recompute, tree
 from fxmega.config import RunConfig
+from fxmega.core import precision, tree
 from fxmega.data.batches import micro_batches
 from fxmega.data.sources import build_data
 from fxmega.inference.model_loader import LoadedModel, load_model
 from fxmega.models import lm_loss_sum, loss_by_pieces
-from fxmega.objectives import global_count
+from fxmega.ops import kernels, recompute
+from fxmega.ops.objectives import global_count
 from fxmega.sharding.runtime import Parallel
 from fxmega.training.optim import AdamWHyper
 from fxmega.training.pipeline_step import PipelineStep

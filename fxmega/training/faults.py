@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from fxmega import tree
+from fxmega.core import tree
 
 
 def maybe_kill(rank: int, step: int) -> None:

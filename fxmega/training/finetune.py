@@ -22,23 +22,24 @@ from typing import Any
 
 import torch
 
-from fxmega import layers, objectives, precision, tree
 from fxmega.config import RunConfig, to_dict
+from fxmega.core import precision, tree
+from fxmega.core.device import pick_device, set_deterministic
+from fxmega.core.errors import CheckpointError, ConfigError, DataError, NonFiniteError
+from fxmega.core.spec import ZEROS, ParamSpec, normal
 from fxmega.data.batches import micro_batches
 from fxmega.data.classification import load_classification
 from fxmega.data.mlm import specials_for
 from fxmega.data.tokenizer import build_tokenizer
-from fxmega.device import pick_device, set_deterministic
-from fxmega.errors import CheckpointError, ConfigError, DataError, NonFiniteError
-from fxmega.init import init_params
 from fxmega.models import bert, family_name, model_for
 from fxmega.models.pieces import embed_inputs, run_pieces, top
 from fxmega.models.registry import ModelFamily
-from fxmega.objectives import global_count
-from fxmega.recompute import plain_call
+from fxmega.ops import layers, objectives
+from fxmega.ops.init import init_params
+from fxmega.ops.objectives import global_count
+from fxmega.ops.recompute import plain_call
 from fxmega.sharding import distributed, layout
 from fxmega.sharding.mesh import parse_mesh
-from fxmega.spec import ZEROS, ParamSpec, normal
 from fxmega.storage import checkpoint, run_state
 from fxmega.storage.hf_bert import load_hf_dir
 from fxmega.training.optim import AdamWHyper, adamw_init, decay_mask

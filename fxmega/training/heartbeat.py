@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fxmega.errors import FxmegaError
+from fxmega.core.errors import FxmegaError
 
 _KEY = "fxmega/heartbeat/{}"
 # what gloo and NCCL say when a collective gives up waiting for a peer

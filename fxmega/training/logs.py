@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 
 
 class RunLog:

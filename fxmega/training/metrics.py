@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fxmega import tree
-from fxmega.spec import ParamSpec
+from fxmega.core import tree
+from fxmega.core.spec import ParamSpec
 
 
 def flops_per_token(specs: tree.Tree, n_layers: int, attention_width: int, seq_len: int) -> int:

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fxmega import tree
-from fxmega.spec import ParamSpec
+from fxmega.core import tree
+from fxmega.core.spec import ParamSpec
 
 
 @dataclass(frozen=True)

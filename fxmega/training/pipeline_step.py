@@ -28,10 +28,10 @@ from torch import nn
 from torch.distributed import pipelining
 from torch.distributed.tensor import DTensor, Replicate
 
-from fxmega import tree
-from fxmega.errors import ConfigError
+from fxmega.core import tree
+from fxmega.core.errors import ConfigError
 from fxmega.models.pieces import run_pieces
-from fxmega.objectives import Objective, global_count
+from fxmega.ops.objectives import Objective, global_count
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import SCHEDULES, SPLIT_BACKWARD, Stage, check_microbatches
 from fxmega.training.optim import AdamWHyper
@@ -95,7 +95,7 @@ class PipelineStep:
                 fn = compiled(fn, backend, options)
             stages.append(pipelining.PipelineStage(_StageModule(fn, tree.leaves(sub)), s.index, pipe.n_stages,
                                                    device, group=pp_group))
-        self.stages = stages  # this rank's PipelineStages (fxmega.sharding.fake traces them one by one)
+        self.stages = stages  # this rank's PipelineStages (fxmega.planning.fake traces them one by one)
         cls = getattr(pipelining, SCHEDULES[pipe.schedule][0])
         self.schedule = cls(stages[0] if SCHEDULES[pipe.schedule][1] == "one" else stages, n_micro,
                             loss_fn=self._loss_fn, scale_grads=False)

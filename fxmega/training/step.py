@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch._dynamo
 
-from fxmega import tree
-from fxmega.objectives import global_count
+from fxmega.core import tree
+from fxmega.ops.objectives import global_count
 from fxmega.sharding.inspect import aot_eager_backend
 from fxmega.sharding.zero3 import backward_phase
 from fxmega.training.optim import AdamWHyper

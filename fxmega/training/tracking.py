@@ -12,7 +12,7 @@ import math
 import os
 from typing import Any
 
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 
 
 def _numeric(record: dict[str, Any]) -> dict[str, float]:

@@ -19,18 +19,19 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from fxmega import kernels, precision, recompute, tree
 from fxmega.config import RunConfig, to_dict
+from fxmega.core import precision, tree
+from fxmega.core.device import pick_device, set_deterministic
+from fxmega.core.errors import ConfigError, NonFiniteError
+from fxmega.core.kernel_dump import dump_kernels
+from fxmega.core.memory import peak_bytes, reset_peak
 from fxmega.data.sources import build_data
-from fxmega.device import pick_device, set_deterministic
-from fxmega.errors import ConfigError, NonFiniteError
 from fxmega.inference.generate import sample_text
 from fxmega.inference.generate_parallel import generate_on_mesh
-from fxmega.init import count_params, init_params
-from fxmega.kernel_dump import dump_kernels
-from fxmega.memory import peak_bytes, reset_peak
 from fxmega.models import family_name, loss_by_pieces, model_for
-from fxmega.objectives import global_count
+from fxmega.ops import kernels, recompute
+from fxmega.ops.init import count_params, init_params
+from fxmega.ops.objectives import global_count
 from fxmega.storage import checkpoint, run_state
 from fxmega.training import faults, tracking
 from fxmega.training.evaluate import mean_loss, micro_sums, my_micro_batches, one_device_loss_sum

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from fxmega import tree
-from fxmega.init import count_params, meta_params
+from fxmega.core import tree
 from fxmega.models import family_name, model_for
+from fxmega.ops.init import count_params, meta_params
 from fxmega.training.metrics import model_flops_per_token
 
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from fxmega import kernels
+from fxmega.ops import kernels
 from fxmega.sharding.layout import active, local, shard
 
 

@@ -26,8 +26,8 @@ from torch import Tensor
 try:
     import triton
 
-    from fxmega.kernels import triton_cross_entropy as _ce_kernels
-    from fxmega.kernels import triton_norms as _norm_kernels
+    from fxmega.ops.kernels import triton_cross_entropy as _ce_kernels
+    from fxmega.ops.kernels import triton_norms as _norm_kernels
 except ImportError as exc:  # the `triton` extra is not installed
     AVAILABLE = False
     _IMPORT_ERROR: str = str(exc)
@@ -60,7 +60,7 @@ def _check_device(t: Tensor) -> None:
         raise RuntimeError(
             "Triton kernels need a CUDA device (or TRITON_INTERPRET=1 to run them in Triton's "
             f"interpreter for tests); got a tensor on {t.device}. Set TRITON_INTERPRET=1 before "
-            "fxmega.kernels.triton_ops is imported."
+            "fxmega.ops.kernels.triton_ops is imported."
         )
 
 
@@ -285,7 +285,7 @@ def _(logits: Tensor, targets: Tensor, vocab_size: int, block_size: int) -> tupl
 
 
 def rms_norm(x: Tensor, scale: Tensor, eps: float) -> Tensor:
-    """Llama's RMSNorm over the last dim, exactly :func:`fxmega.layers.rms_norm`: normalise
+    """Llama's RMSNorm over the last dim, exactly :func:`fxmega.ops.layers.rms_norm`: normalise
     in fp32, cast back to ``x.dtype``, then multiply by ``scale`` (Hugging Face's order, which
     changes bf16 results). ``x [..., d]``, ``scale [d]``; the result has dtype
     ``promote(scale.dtype, x.dtype)``. Differentiable in ``x`` and ``scale``: one kernel each

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxmega.config import override
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 from fxmega.models import model_for
+from fxmega.planning.report import estimate_plan, text_table
 from fxmega.sharding.pipeline import check_microbatches
-from fxmega.sharding.report import estimate_plan, text_table
 from fxmega.sharding.strategy import plan_from
 from fxmega.training.metrics import model_flops_per_token
 

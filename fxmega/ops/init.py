@@ -13,8 +13,8 @@ import hashlib
 
 import torch
 
-from fxmega import tree
-from fxmega.spec import ParamSpec
+from fxmega.core import tree
+from fxmega.core.spec import ParamSpec
 
 
 def param_seed(seed: int, path: str) -> int:

@@ -2,7 +2,7 @@
 spent — the resolved mesh and its rank layout, the per-parameter sharding table and
 pipeline stage map, per-rank memory by kind against ``--memory-per-device`` with a verdict,
 and communication per step per mesh axis. The plan is checked on the real DeviceMesh and
-DTensors, built on torch's fake process group (``fxmega.sharding.fake``); with ``--rank r``
+DTensors, built on torch's fake process group (``fxmega.planning.fake``); with ``--rank r``
 that rank's whole step is also traced and its collectives listed.
 """
 
@@ -12,10 +12,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from fxmega.errors import ConfigError
-from fxmega.kernel_dump import dump_kernels
+from fxmega.core.errors import ConfigError
+from fxmega.core.kernel_dump import dump_kernels
 from fxmega.models import model_for
-from fxmega.sharding import estimate, fake
+from fxmega.planning import fake
+from fxmega.sharding import estimate
 from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
 from fxmega.sharding.pipeline import SPLIT_BACKWARD
 from fxmega.sharding.plan import ShardingPlan, format_bytes
@@ -155,7 +156,7 @@ def text_table(rows: list[tuple]) -> list[str]:
 def plan_report(cfg: Any, budget: int | None = None, rank: int | None = None, verify: bool = True,
                 dump_dir: str | None = None) -> str:
     """The ``--plan`` text for ``cfg`` (its ``parallel.mesh``), optionally tracing ``rank``
-    (and writing its traced graphs under ``dump_dir``, see ``fxmega.kernel_dump``)."""
+    (and writing its traced graphs under ``dump_dir``, see ``fxmega.core.kernel_dump``)."""
 
     model = model_for(cfg.model)
     plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)

@@ -1,6 +1,6 @@
 """Triton kernels for RMSNorm and LayerNorm, forward and backward (one row of ``d`` per step).
 
-Imported only when triton is installed; use them through :mod:`fxmega.kernels.triton_ops`,
+Imported only when triton is installed; use them through :mod:`fxmega.ops.kernels.triton_ops`,
 which registers them as torch custom ops. Rows are contiguous (``row * d + col``). The
 backward kernels recompute the row statistics from ``x`` instead of saving them: the row is
 loaded anyway, so this costs no extra memory traffic and saves a ``[rows]`` tensor per norm.

@@ -1,7 +1,7 @@
 """Which implementation the model's norms and cross-entropy use.
 
 ``reference``: PyTorch ops, which torch.compile fuses (C++ on CPU, Triton on GPU).
-``triton``: fxmega's hand-written Triton kernels (``fxmega.kernels.triton_ops``), registered
+``triton``: fxmega's hand-written Triton kernels (``fxmega.ops.kernels.triton_ops``), registered
 as ``torch.library`` custom ops so they sit inside compiled graphs as single calls.
 
 The choice is made around a traced function (``with kernels.use("triton"): ...``) rather
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 
 _active = "reference"
 
@@ -42,7 +42,7 @@ def check_available(name: str, device: torch.device) -> None:
     """Fail loudly (no silent fallback) when ``name`` cannot run on ``device``."""
     if name != "triton":
         return
-    from fxmega.kernels import triton_ops  # imports triton when installed
+    from fxmega.ops.kernels import triton_ops  # imports triton when installed
 
     if not triton_ops.AVAILABLE:
         raise ConfigError("compute.kernels=triton needs the triton package: pip install -e '.[triton]' "
@@ -65,19 +65,19 @@ def _on_local(fn: Any, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    from fxmega.kernels import triton_ops
+    from fxmega.ops.kernels import triton_ops
 
     return _on_local(lambda t, s: triton_ops.rms_norm(t, s, eps), x, scale)
 
 
 def layer_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    from fxmega.kernels import triton_ops
+    from fxmega.ops.kernels import triton_ops
 
     return _on_local(lambda t, s, b: triton_ops.layer_norm(t, s, b, eps), x, scale, bias)
 
 
 def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor,
                        vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from fxmega.kernels import triton_ops
+    from fxmega.ops.kernels import triton_ops
 
     return triton_ops.cross_entropy_rows(logits, targets, vocab_size)

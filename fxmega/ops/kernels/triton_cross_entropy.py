@@ -1,6 +1,6 @@
 """Triton kernel for per-row cross-entropy and its gradient w.r.t. the logits.
 
-Imported only when triton is installed; use it through :mod:`fxmega.kernels.triton_ops`.
+Imported only when triton is installed; use it through :mod:`fxmega.ops.kernels.triton_ops`.
 One program per row walks the vocabulary in blocks twice: first an online softmax (running
 max and rescaled running sum, so no block of the row is held beyond its own step and V can
 be 100k+), then ``softmax - onehot`` written block by block.

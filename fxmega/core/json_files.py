@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fxmega.errors import FxmegaError
+from fxmega.core.errors import FxmegaError
 
 # what a field may hold, as Python's types; ``int`` excludes ``bool`` (JSON true is no count)
 FieldType = type | tuple[type, ...]

@@ -10,7 +10,7 @@ weight, never logits. Liger-Kernel's fused linear cross-entropy works the same w
 
 The per-row loss and its gradient with respect to the logits come from
 ``cross_entropy_rows``: PyTorch ops here, a Triton kernel with ``compute.kernels=triton``
-(see ``fxmega.kernels``).
+(see ``fxmega.ops.kernels``).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from fxmega import kernels
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
+from fxmega.ops import kernels
 
 
 def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor,

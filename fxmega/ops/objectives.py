@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from fxmega import layers
+from fxmega.ops import layers
 
 Batch = Mapping[str, torch.Tensor]
 

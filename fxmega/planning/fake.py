@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fxmega import tree
-from fxmega.errors import ConfigError
+from fxmega.core import tree
+from fxmega.core.errors import ConfigError
+from fxmega.core.precision import compute_dtype
 from fxmega.models import loss_by_pieces, model_for
-from fxmega.precision import compute_dtype
 from fxmega.sharding.distributed import local_specs
 from fxmega.sharding.inspect import Collective, record_collectives
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from fxmega.errors import ConfigError
+from fxmega.core.errors import ConfigError
 
 
 def pick_device(name: str) -> torch.device:
