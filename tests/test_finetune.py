@@ -19,7 +19,11 @@ from fxmega.data.classification import load_classification
 from fxmega.data.mlm import specials_for
 from fxmega.data.tokenizer import build_tokenizer
 from fxmega.models import gpt, llama
+from fxmega.models.classifier import Classifier
+from fxmega.models.pieces import run_pieces
 from fxmega.ops import init
+from fxmega.ops.objectives import classification_eval
+from fxmega.ops.recompute import plain_call
 from fxmega.training import finetune as ft
 from tests.conftest import ROOT
 from tests.tolerance import assert_within_rounding, forward_lengths, run_rtol
@@ -124,33 +128,42 @@ def test_batches_are_deterministic_epochs_and_split(tmp_path):
 
 # ---- pooling ---------------------------------------------------------------------------------
 
+def _pooled(model: Classifier, params: dict, tokens: torch.Tensor, mask: torch.Tensor, mcfg) -> torch.Tensor:
+    x = run_pieces(model, params, params, tokens, mcfg, plain_call, head=False, valid=mask)
+    return model.family.pool(params, x, mask, mcfg)
+
+
 @pytest.mark.parametrize("module, name", [(gpt, "tiny_gpt"), (llama, "tiny_llama")])
 def test_last_token_pooling_ignores_padding(module, name):
     mcfg = load(ROOT / "configs" / f"{name}.py").model
-    specs = {**ft.backbone_specs(mcfg), **ft.classifier_specs(mcfg, 2)}
-    params = init.init_params(specs, 0)
+    model = Classifier(module, mcfg, 2)
+    params = init.init_params(model.param_specs(mcfg), 0)
     tokens = torch.tensor([[5, 6, 7, 0, 0], [1, 2, 3, 4, 9]])
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    out = ft.pooled(module, params, {"inputs": tokens, "attention_mask": mask}, mcfg)
+    out = _pooled(model, params, tokens, mask, mcfg)
     changed = tokens.clone()
     changed[0, 3:] = torch.tensor([40, 41])  # other padding tokens
-    again = ft.pooled(module, params, {"inputs": changed, "attention_mask": mask}, mcfg)
+    again = _pooled(model, params, changed, mask, mcfg)
     torch.testing.assert_close(out, again)
     # the padded row pools position 2: the same vector as the unpadded 3-token text
-    alone = ft.pooled(module, params, {"inputs": tokens[:1, :3], "attention_mask": mask[:1, :3]}, mcfg)
+    alone = _pooled(model, params, tokens[:1, :3], mask[:1, :3], mcfg)
     # the 5-position batch attends over 5 slots (2 masked), the alone one over 3: other orders
     assert_within_rounding(out[:1], alone, forward_lengths(mcfg, 5), what="pooled")
     assert not torch.allclose(out[0], out[1])
-    logits = ft.classify(module, params, {"inputs": tokens, "attention_mask": mask}, mcfg)
-    assert logits.shape == (2, 2)
-    assert ft.accuracy(logits, logits.argmax(-1)).item() == 1.0
+    logits = run_pieces(model, params, params, tokens, mcfg, plain_call, valid=mask, head_inputs=[mask])
+    assert logits.shape == (2, 2) and logits.dtype == torch.float32
+    w = params["classifier"]
+    torch.testing.assert_close(logits, out @ w["w"] + w["b"])  # the head is the pooled vector's linear map
+    both, count = classification_eval(2)(logits, {"targets": logits.argmax(-1), "loss_mask": torch.ones(2)})
+    assert both[1].item() == 2.0 and count.item() == 2.0  # its own argmax is right every time
 
 
 def test_classifier_specs_axes():
     mcfg = load(ROOT / "configs" / "tiny_llama.py").model
-    head = ft.classifier_specs(mcfg, 3)["classifier"]
+    specs = Classifier(llama, mcfg, 3).param_specs(mcfg)
+    head = specs["classifier"]
     assert head["w"].shape == (64, 3) and head["w"].axes == ("embed", "classes") and head["b"].axes == ("classes",)
-    assert "head" not in ft.backbone_specs(mcfg)  # the LM head is outside the loss
+    assert "head" not in specs  # the LM head is outside the loss
 
 
 # ---- fine-tuning -----------------------------------------------------------------------------
@@ -214,8 +227,8 @@ def test_load_hugging_face_bert_dir(task, tmp_path):
 
 def test_config_errors(task):
     cfg = _cfg("tiny_gpt")
-    with pytest.raises(ConfigError, match="parallel.mesh='pp=2': fine-tuning does not run pipelined"):
-        ft.finetune(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, mesh="pp=2")), *task)
+    with pytest.raises(ConfigError, match="compute.loss_chunk=4 chunks the projection onto the vocabulary"):
+        ft.finetune(dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, loss_chunk=4)), *task)
     with pytest.raises(ConfigError, match="compute.precision=fp16"):
         ft.finetune(dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, precision="fp16")), *task)
 
@@ -243,6 +256,9 @@ FINETUNE_MESHES = {
     "gpt_dp2_zero3": ("tiny_gpt", dict(mesh="dp=2", rules="zero3")),
     "gpt_tp2": ("tiny_gpt", dict(mesh="tp=2")),
     "bert_tp2": ("tiny_bert", dict(mesh="tp=2")),
+    # two micro batches through two stages: the last one pools with the attention mask it is given
+    "gpt_pp2": ("tiny_gpt", dict(mesh="pp=2")),
+    "bert_pp2": ("tiny_bert", dict(mesh="pp=2")),
 }
 MESH_STEPS = 6
 
@@ -264,7 +280,7 @@ def finetune_on_meshes(names: list[str], train_path: str, valid_path: str) -> di
 
 
 @pytest.mark.slow
-def test_finetune_on_dp_zero3_and_tp_matches_one_device(task):
+def test_finetune_on_dp_zero3_tp_and_pp_matches_one_device(task):
     from tests.multirank import run_ranks
     from tests.tolerance import assert_losses_match
 

@@ -15,7 +15,8 @@ LAYERS = {
             "sharding.pipeline",
     "building blocks": "ops ops.kernels ops.kernels.triton_ops ops.kernels.triton_norms "
                        "ops.kernels.triton_cross_entropy ops.layers ops.losses ops.objectives ops.recompute ops.init",
-    "models": "models models.bert models.gpt models.llama models.pieces models.registry models.census models.checks",
+    "models": "models models.bert models.gpt models.llama models.pieces models.registry models.census models.checks "
+              "models.classifier",
     "data": "data data.batches data.blend data.classification data.corpus data.gpt_dataset data.indexed data.mlm "
             "data.preprocess data.sources data.tokenizer data.vocab_files",
     "config": "config",

@@ -11,9 +11,10 @@ from typing import Any
 import torch
 
 from fxmega.models import bert, gpt, llama, registry
-from fxmega.models.pieces import PieceCall, embed_inputs, run_pieces, top
+from fxmega.models.pieces import PieceCall, embed_inputs, head_inputs, run_pieces, top
 from fxmega.models.registry import ModelFamily
 from fxmega.ops import losses, recompute
+from fxmega.ops.objectives import Objective
 
 for _name, _family in (("gpt", gpt), ("llama", llama), ("bert", bert)):
     registry.register(_name, _family)
@@ -41,25 +42,31 @@ def head_loss_sum(model: ModelFamily) -> Callable[..., torch.Tensor]:
     return run
 
 
-def loss_by_pieces(cfg: object, compute: Any = None) -> Callable[[dict, dict, PieceCall, dict], torch.Tensor]:
+def loss_by_pieces(cfg: object, compute: Any = None, model: ModelFamily | None = None,
+                   objective: Objective | None = None) -> Callable[[dict, dict, PieceCall, dict], torch.Tensor]:
     """``lm_loss_sum`` for ``cfg`` as a function of ``(params, batch, call, layouts)``: what a
     sharding runtime runs without knowing the model (``Parallel.loss_sum_fn``)."""
     def run(params: dict, batch: dict, call: PieceCall, layouts: dict) -> torch.Tensor:
-        return lm_loss_sum(params, batch, cfg, call=call, layouts=layouts, compute=compute)
+        return lm_loss_sum(params, batch, cfg, call=call, layouts=layouts, compute=compute, model=model,
+                           objective=objective)
     return run
 
 
 def lm_loss_sum(params: dict, batch: dict[str, torch.Tensor], cfg: object, call: PieceCall | None = None,
-                layouts: dict | None = None, compute: Any = None) -> torch.Tensor:
-    """The family's objective summed over ``batch``: the model run piece by piece
-    (``run_pieces``: the embedding with the family's ``EMBED_INPUTS`` from the batch, every
-    block with the batch's ``attention_mask``), then the objective on the head's outputs
-    (``loss_mask`` honoured). Callers divide by the loss-term count of the whole global batch.
+                layouts: dict | None = None, compute: Any = None, model: ModelFamily | None = None,
+                objective: Objective | None = None) -> torch.Tensor:
+    """An objective summed over ``batch``: the model run piece by piece (``run_pieces``: the
+    embedding with the family's ``EMBED_INPUTS`` from the batch, every block with the batch's
+    ``attention_mask``, the head with its ``HEAD_INPUTS``), then the objective on the head's
+    outputs (``loss_mask`` honoured). Callers divide by the loss-term count of the whole
+    global batch. ``model`` defaults to ``cfg``'s registered family (``fxmega.models.classifier``
+    is one that is not registered), ``objective`` to the family's.
 
     ``call`` runs each piece (``Parallel._call`` on a mesh; ``recompute.plain_call`` when
     None); ``compute`` (a ``ComputeConfig``) adds block recompute and the chunked loss
     (``loss_chunk``: the head and the cross-entropy a chunk of tokens at a time)."""
-    model = model_for(cfg)
+    model = model if model is not None else model_for(cfg)
+    objective = objective if objective is not None else model.objective(cfg)
     if call is None:
         call, layouts = recompute.plain_call, params
     inputs = embed_inputs(model, batch)
@@ -69,5 +76,5 @@ def lm_loss_sum(params: dict, batch: dict[str, torch.Tensor], cfg: object, call:
     if compute is not None and compute.loss_chunk:
         return call(head_loss_sum(model), head_params, head_layouts, x, cfg, batch["targets"],
                     batch.get("loss_mask"), compute.loss_chunk)
-    loss_sum, _ = model.objective(cfg)(call(model.head, head_params, head_layouts, x, cfg), batch)
+    loss_sum, _ = objective(call(model.head, head_params, head_layouts, x, cfg, *head_inputs(model, batch)), batch)
     return loss_sum

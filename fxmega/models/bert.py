@@ -228,3 +228,13 @@ def pooler_output(params: dict, hidden: torch.Tensor, cfg: Config) -> torch.Tens
     """BERT's pooler: dense + tanh on the first ([CLS]) token, ``[batch, embed]``."""
     p = params["pooler"]
     return torch.tanh(layers.linear(hidden[:, 0], p["w"], p["b"]))
+
+
+# What a sequence-classification head pools from (``fxmega.models.classifier``): the pooler
+# where the config has one, else the [CLS] hidden state.
+POOL_PARAMS = ("pooler",)
+
+
+def pool(params: dict, x: torch.Tensor, valid: torch.Tensor | None, cfg: Config) -> torch.Tensor:
+    """One ``[batch, embed]`` vector per row: the pooler's output, or the [CLS] hidden state."""
+    return pooler_output(params, x, cfg) if cfg.pooler else x[:, 0]

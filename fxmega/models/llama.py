@@ -187,6 +187,19 @@ def output_weight(params: dict) -> torch.Tensor:
     return params["head"]
 
 
+# What a sequence-classification head pools from (``fxmega.models.classifier``): each row's
+# last real token through the final norm (causal attention: the only position that has seen
+# the whole text).
+POOL_PARAMS = ("final_norm",)
+
+
+def pool(params: dict, x: torch.Tensor, valid: torch.Tensor | None, cfg: Config) -> torch.Tensor:
+    """One ``[batch, embed]`` vector per row of the final hidden states ``x``: the last
+    position ``valid`` (the attention mask) marks, after the final norm."""
+    # the final norm is per token: normalising only the gathered rows gives the same vectors
+    return final_hidden(params, layers.last_real_token(x, valid), cfg)[:, 0]
+
+
 def head(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Final RMSNorm and the output projection onto the vocabulary."""
     return shard(layers.linear(final_hidden(params, x, cfg), output_weight(params)), "batch", None, "vocab")

@@ -23,6 +23,8 @@ from fxmega.ops.layers import KV, CacheWrite
 from fxmega.ops.recompute import mode_for_block
 
 PieceCall = Callable[..., torch.Tensor]
+# the logical axes of a head's outputs unless the family says otherwise (``OUTPUT_AXES``)
+LOGITS = ("batch", None, "vocab")
 
 
 def top(groups: tuple[str, ...], params: dict) -> dict:
@@ -41,12 +43,13 @@ def blocks_of(params: dict) -> list[tuple[int, dict]]:
 
 def run_pieces(model: ModelFamily, params: dict, layouts: dict, x: torch.Tensor, cfg: Any, call: PieceCall, *,
                embed: bool = True, head: bool = True, inputs: Sequence[torch.Tensor] = (),
-               valid: torch.Tensor | None = None, compute: Any = None) -> torch.Tensor:
+               valid: torch.Tensor | None = None, compute: Any = None,
+               head_inputs: Sequence[torch.Tensor | None] = ()) -> torch.Tensor:
     """``x`` through the pieces ``params`` holds, in order: the embedding (if ``embed``:
     ``x`` is then the tokens and ``inputs`` the family's ``EMBED_INPUTS``), every block in
     ``params["blocks"]`` (with ``valid``, the attention mask, where given), and the head (if
-    ``head``). ``layouts`` mirrors ``params``; ``compute`` (a ``ComputeConfig``) picks each
-    block's recompute mode."""
+    ``head``, with ``head_inputs``: the family's ``HEAD_INPUTS``). ``layouts`` mirrors
+    ``params``; ``compute`` (a ``ComputeConfig``) picks each block's recompute mode."""
     mode, first_n = (compute.recompute, compute.recompute_layers) if compute is not None else ("none", 0)
     if embed:
         x = call(model.embed, top(model.EMBED_PARAMS, params), top(model.EMBED_PARAMS, layouts), x, cfg, *inputs)
@@ -55,7 +58,7 @@ def run_pieces(model: ModelFamily, params: dict, layouts: dict, x: torch.Tensor,
     for i, p in blocks_of(params):
         x = call(model.block, p, lays[i], x, cfg, *extra, recompute=mode_for_block(mode, i, first_n))
     if head:
-        x = call(model.head, top(model.HEAD_PARAMS, params), top(model.HEAD_PARAMS, layouts), x, cfg)
+        x = call(model.head, top(model.HEAD_PARAMS, params), top(model.HEAD_PARAMS, layouts), x, cfg, *head_inputs)
     return x
 
 
@@ -68,6 +71,17 @@ def embed_inputs(model: ModelFamily, batch: dict[str, torch.Tensor]) -> list[tor
             break
         out.append(batch[key])
     return out
+
+
+def head_inputs(model: ModelFamily, batch: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
+    """What the family's head reads from ``batch`` (``HEAD_INPUTS``), None where it is absent
+    (a batch without padding has no attention mask)."""
+    return [batch.get(key) for key in getattr(model, "HEAD_INPUTS", ())]
+
+
+def output_axes(model: ModelFamily) -> tuple[str | None, ...]:
+    """The logical axes of the family's head outputs."""
+    return getattr(model, "OUTPUT_AXES", LOGITS)
 
 
 def init_cache(model: Any, cfg: Any, blocks: Sequence[int], batch: int, max_len: int,

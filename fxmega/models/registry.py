@@ -25,6 +25,7 @@ class ModelConfig(Protocol):
     d_model: int
     n_layers: int
     n_heads: int
+    init_std: float
 
     def validate(self, prefix: str = ...) -> None: ...
 
@@ -34,7 +35,13 @@ class ModelFamily(Protocol):
     the residual stream ``[batch, seq, d_model]``, ``block(params, x, cfg, valid=None)`` is
     one layer on it, ``head(params, x, cfg)`` turns it into the objective's outputs;
     ``EMBED_PARAMS`` and ``HEAD_PARAMS`` are the top-level parameter groups the first and
-    the last read (a tied embedding is in both), ``params["blocks"]`` the list of layers."""
+    the last read (a tied embedding is in both), ``params["blocks"]`` the list of layers.
+
+    Optional: ``HEAD_INPUTS``, what ``head`` reads from the batch after ``x`` and ``cfg``
+    (default none; a classifier's reads the attention mask); ``OUTPUT_AXES``, the logical
+    axes of the head's outputs (default ``("batch", None, "vocab")``: logits over the
+    vocabulary); ``POOL_PARAMS`` and ``pool(params, x, valid, cfg) -> [batch, embed]``, what
+    ``fxmega.models.classifier`` puts a classification head on."""
 
     Config: type
     EMBED_PARAMS: tuple[str, ...]

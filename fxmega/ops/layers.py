@@ -135,7 +135,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None = None,
-                      vocab_size: int = 0) -> torch.Tensor:
+                      vocab_size: int = 0, class_axis: str = "vocab") -> torch.Tensor:
     """Sum over tokens of ``-log softmax(logits)[target]``, computed in fp32.
 
     Returns a sum, not a mean: the step divides by the token count of the whole global
@@ -147,12 +147,13 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: to
     all-reduces, and the full logits are never gathered.
 
     ``vocab_size`` smaller than the logits' last dim masks the padding columns (added so
-    that tensor parallelism divides the vocabulary) out of the softmax.
+    that tensor parallelism divides the vocabulary) out of the softmax. ``class_axis`` is the
+    logical name of the logits' last dim (``classes`` for a classifier's, which no rule splits).
     """
     logits = logits.float()
     sharded = active() is not None
     if sharded:
-        vocab_ids = shard(torch.arange(logits.shape[-1], device=targets.device), "vocab")
+        vocab_ids = shard(torch.arange(logits.shape[-1], device=targets.device), class_axis)
     if vocab_size and vocab_size < logits.shape[-1]:
         ids = vocab_ids if sharded else torch.arange(logits.shape[-1], device=targets.device)
         logits = logits.masked_fill(ids >= vocab_size, float("-inf"))
@@ -168,6 +169,14 @@ def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: to
     if loss_mask is not None:
         per_token = per_token * loss_mask
     return per_token.sum()
+
+
+def last_real_token(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """``x [batch, seq, d]`` at each row's last position that ``valid`` (1 for tokens, 0 for
+    right padding) marks, as ``[batch, 1, d]``; the last position when ``valid`` is None."""
+    rows = torch.arange(x.shape[0], device=x.device)
+    last = (valid.sum(dim=1) - 1).clamp(min=0) if valid is not None else torch.full_like(rows, x.shape[1] - 1)
+    return x[rows, last][:, None]
 
 
 # ---- decoding with a KV cache -------------------------------------------------------------

@@ -30,6 +30,7 @@ class Objective(Protocol):
 
     name: str
     batch_keys: tuple[str, ...]
+    sum_shape: tuple[int, ...]  # the shape of the sum it returns: () for a loss
 
     def __call__(self, outputs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -57,11 +58,31 @@ class CrossEntropy:
 
     name: str
     n_classes: int
+    class_axis: str = "vocab"  # the logical name of the logits' last dim
     batch_keys: tuple[str, ...] = ("targets", "loss_mask")
+    sum_shape: tuple[int, ...] = ()
 
     def __call__(self, outputs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        loss = layers.cross_entropy_sum(outputs, batch["targets"], batch.get("loss_mask"), vocab_size=self.n_classes)
+        loss = layers.cross_entropy_sum(outputs, batch["targets"], batch.get("loss_mask"), self.n_classes,
+                                        self.class_axis)
         return loss, count(batch)
+
+
+@dataclass(frozen=True)
+class LossAndCorrect:
+    """For evaluating a classifier in one pass: ``[summed cross-entropy, correct
+    predictions]`` (each counted where ``loss_mask`` is non-zero) and the count."""
+
+    name: str
+    n_classes: int
+    batch_keys: tuple[str, ...] = ("targets", "loss_mask")
+    sum_shape: tuple[int, ...] = (2,)
+
+    def __call__(self, outputs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, n = CrossEntropy(self.name, self.n_classes, "classes")(outputs, batch)
+        right = (outputs.argmax(dim=-1) == batch["targets"]).float()
+        mask = batch.get("loss_mask")
+        return torch.stack([loss, (right * mask).sum() if mask is not None else right.sum()]), n
 
 
 def causal_lm(vocab_size: int) -> CrossEntropy:
@@ -76,4 +97,9 @@ def masked_lm(vocab_size: int) -> CrossEntropy:
 
 def classification(n_classes: int) -> CrossEntropy:
     """One label per sequence: ``targets [B]``, ``loss_mask [B]`` leaves padded rows out."""
-    return CrossEntropy("classification", n_classes)
+    return CrossEntropy("classification", n_classes, "classes")
+
+
+def classification_eval(n_classes: int) -> LossAndCorrect:
+    """``classification``'s loss and the number of right answers, from the same logits."""
+    return LossAndCorrect("classification", n_classes)

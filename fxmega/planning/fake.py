@@ -142,9 +142,9 @@ def _trace_stages(cfg: Any, par: Any, params: tree.Tree, decay: list, hyper: Any
     first_batch = {**batch, **{k: batch["inputs"] for k in model.EMBED_INPUTS}}  # e.g. BERT's token types
     for stage in step.stages:  # a later stage reads the residual stream in the compute dtype
         first = stage.stage_index == 0
-        x = step._first_input([first_batch]) if first else torch.zeros(
+        x = first_batch["inputs"] if first else torch.zeros(
             (*batch["inputs"].shape, cfg.model.d_model), dtype=compute_dtype(cfg.compute.precision), device="meta",
             requires_grad=True)
-        out = stage.submod(x)
+        out = stage.submod(x, **step.stage_kwargs([first_batch]))
         ps = [p for p in stage.submod.parameters()]
         torch.autograd.grad(out.float().sum(), ps + ([] if first else [x]), allow_unused=True)

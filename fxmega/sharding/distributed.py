@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from fxmega.config import RunConfig
 from fxmega.models import model_for
+from fxmega.models.registry import ModelFamily
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh, check_world_size
 from fxmega.sharding.runtime import Parallel
 from fxmega.sharding.strategy import plan_from
@@ -83,16 +85,17 @@ def init(mesh: MeshSpec, timeout_s: int, device_type: str | None = None):
     return build_device_mesh(mesh, device_type), rank, device
 
 
-def setup(cfg, mesh: MeshSpec, specs: dict | None = None):  # -> (Parallel, device)
+def setup(cfg: RunConfig, mesh: MeshSpec, model: ModelFamily | None = None) -> tuple[Parallel, torch.device]:
     """This rank's ``Parallel`` for a run: process group, device mesh, plan. Prints the
-    resolved mesh (rank 0) and every rank's coordinates. ``specs``: the parameter tree to
-    plan (default: the model's; fine-tuning adds its classifier)."""
+    resolved mesh (rank 0) and every rank's coordinates. ``model``: the family whose
+    parameters are planned and whose pieces pipeline stages are cut from (default: the
+    config's; fine-tuning gives its classifier)."""
 
     per_rank_caches()
     device_type = None if cfg.train.device == "auto" else cfg.train.device
     device_mesh, rank, device = init(mesh, cfg.parallel.timeout_s, device_type)
-    model = model_for(cfg.model)
-    specs = model.param_specs(cfg.model) if specs is None else specs
+    model = model_for(cfg.model) if model is None else model
+    specs = model.param_specs(cfg.model)
     plan = plan_from(specs, cfg.parallel, model)
     if rank == 0:
         print(f"mesh: {mesh.describe()}, {plan.strategy.name} (zero {plan.zero})"

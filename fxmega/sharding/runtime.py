@@ -171,6 +171,20 @@ class Parallel:
         """Every parameter gathered to its full (padded) value on every rank (eager)."""
         return [self.as_dtensor(t.detach(), lay, kind).full_tensor() for t, lay in zip(flat, self.layouts)]
 
+    def full_params(self, params: tree.Tree, full_specs: tree.Tree) -> tree.Tree:
+        """The whole model (``full_specs``' tree) as full (padded) tensors on every rank, from
+        this rank's shards ``params`` (every rank takes part). Pipeline stages are exchanged
+        with an all_gather_object over pp: for checking small models, not for 70B."""
+        flat = self.full_tensors(tree.leaves(params))
+        if self.plan.pipeline is None:
+            return tree.unflatten_like(full_specs, flat)
+        device = flat[0].device if flat else torch.device("cpu")
+        mine = {p: t.cpu() for p, t in zip(tree.paths(self.specs), flat)}
+        everyone: list[dict] = [{} for _ in range(self.spec.size("pp"))]
+        dist.all_gather_object(everyone, mine, group=self.group(("pp",)).get_group())
+        merged = {p: t for part in everyone for p, t in part.items()}
+        return tree.map_with_path(lambda path, _: merged[path].to(device), full_specs)
+
     # -- activation layouts (the ActivationLayout protocol of sharding.layout) ----------
     def _tp_placement(self, axes: tuple[str | None, ...]) -> list:
         dim = self.plan.activation_tp_dims(axes)

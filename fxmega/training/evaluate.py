@@ -18,8 +18,9 @@ from fxmega.data.batches import micro_batches
 from fxmega.data.sources import build_data
 from fxmega.inference.model_loader import LoadedModel, load_model
 from fxmega.models import lm_loss_sum, loss_by_pieces
+from fxmega.models.registry import ModelFamily
 from fxmega.ops import kernels, recompute
-from fxmega.ops.objectives import global_count
+from fxmega.ops.objectives import Objective, global_count
 from fxmega.sharding.runtime import Parallel
 from fxmega.training.optim import AdamWHyper
 from fxmega.training.pipeline_step import PipelineStep
@@ -35,13 +36,16 @@ def my_micro_batches(batch: Batch, micro: int, parallel: Parallel | None, device
     return [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in parts]
 
 
-def one_device_loss_sum(specs: dict, model_cfg: Any, compute: Any) -> LossSumFn:
+def one_device_loss_sum(specs: dict, model_cfg: Any, compute: Any, model: ModelFamily | None = None,
+                        objective: Objective | None = None) -> LossSumFn:
     """The objective's summed loss over a batch on one device, from the flat fp32 parameters:
-    cast to the compute dtype (autograd casts the gradients back), run piece by piece."""
+    cast to the compute dtype (autograd casts the gradients back), run piece by piece.
+    ``model`` and ``objective`` default to the config's family and its objective."""
     dtype = precision.compute_dtype(compute.precision)
 
     def loss_sum(flat: list[torch.Tensor], batch: Batch) -> torch.Tensor:
-        return lm_loss_sum(tree.unflatten_like(specs, precision.cast(flat, dtype)), batch, model_cfg, compute=compute)
+        return lm_loss_sum(tree.unflatten_like(specs, precision.cast(flat, dtype)), batch, model_cfg, compute=compute,
+                           model=model, objective=objective)
     return loss_sum
 
 

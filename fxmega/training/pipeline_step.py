@@ -11,11 +11,13 @@ input part and a weight part by walking the stage's autograd graph — a compile
 one opaque autograd node, and torch refuses the combination — so those run eagerly.
 
 The loss is the objective's sum over each microbatch divided by the loss-term count of
-the whole global batch, as in ``fxmega.training.step``, so pp runs equal single-device runs. What
-the first stage's embedding reads besides the tokens (``model.EMBED_INPUTS``, e.g. BERT's
-token types) and what the objective reads from the batch (``objective.batch_keys``: the
-targets and the loss mask) travel as one tensor each, split into microbatches along the
-batch dimension like the tokens: torch's schedules carry one input and one target.
+the whole global batch, as in ``fxmega.training.step``, so pp runs equal single-device runs.
+Only the residual stream passes from stage to stage. What the pieces read from the batch
+besides the tokens — the embedding's ``EMBED_INPUTS`` (BERT's token types), the attention
+mask of a padded batch (every block, and a classifier's head) — is given to every stage as
+keyword arguments, which torch's schedules split into microbatches like the tokens and
+hand to each stage's forward; what the objective reads (``objective.batch_keys``: the
+targets and the loss mask) travels as the schedule's one target tensor.
 """
 
 from __future__ import annotations
@@ -29,8 +31,7 @@ from torch.distributed import pipelining
 from torch.distributed.tensor import DTensor, Replicate
 
 from fxmega.core import tree
-from fxmega.core.errors import ConfigError
-from fxmega.models.pieces import run_pieces
+from fxmega.models.pieces import embed_inputs, output_axes, run_pieces
 from fxmega.ops.objectives import Objective, global_count
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import SCHEDULES, SPLIT_BACKWARD, Stage, check_microbatches
@@ -39,7 +40,6 @@ from fxmega.training.step import compiled
 from fxmega.training.update import Update
 
 RESIDUAL = ("batch", "seq", "embed")
-LOGITS = ("batch", None, "vocab")
 
 
 def _stage_tree(local: dict, stage: Stage, model: Any) -> dict:
@@ -56,8 +56,8 @@ class _StageModule(nn.Module):
         self.fn = fn
         self.stage_params = nn.ParameterList(params)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fn(list(self.stage_params), x)
+    def forward(self, x: torch.Tensor, **batch: torch.Tensor) -> torch.Tensor:
+        return self.fn(list(self.stage_params), x, **batch)
 
 
 class PipelineStep:
@@ -71,7 +71,9 @@ class PipelineStep:
         plan, pipe = par.plan, par.plan.pipeline
         check_microbatches(pipe.schedule, n_micro, pipe.pp, pipe.virtual)
         self.par, self.cfg, self.model, self.objective, self.pipe = par, cfg, model, objective, pipe
-        self._embed_inputs = tuple(getattr(model, "EMBED_INPUTS", ()))
+        self._output_axes = output_axes(model)
+        self._head_inputs = tuple(getattr(model, "HEAD_INPUTS", ()))
+        self._objective_now = objective  # what ``_loss_fn`` takes (eval may ask for another)
         self._target_keys: list[tuple[str, torch.dtype]] = []  # what the packed target holds, in order
         self.update, self.device = Update(hyper, decay, clip_grad), device
         self.flat = tree.leaves(params)
@@ -117,18 +119,15 @@ class PipelineStep:
         them as the DTensors they were under tp and unwraps its output."""
         par = self.par
 
-        def run(flat: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        def run(flat: list[torch.Tensor], x: torch.Tensor, **given: torch.Tensor) -> torch.Tensor:
             params = tree.unflatten_like(like, flat)
             with layout.activate(par if par.tp_mesh is not None else None):
-                inputs: list[torch.Tensor] = []
-                if stage.embed:  # the tokens, or [batch, 1 + len(EMBED_INPUTS), seq] with the embedding's inputs
-                    parts = [self._wrap(t, None) for t in ([x] if not self._embed_inputs else x.unbind(1))]
-                    x, inputs = parts[0], parts[1:]
-                else:
-                    x = self._wrap(x, RESIDUAL)
+                batch = {k: self._wrap(v, None) for k, v in given.items()}
+                x = self._wrap(x, None if stage.embed else RESIDUAL)  # the tokens, or the residual stream
                 x = run_pieces(self.model, params, lays, x, self.cfg, par._call, embed=stage.embed, head=stage.head,
-                               inputs=inputs, compute=par.compute)
-                return self._unwrap(x, LOGITS if stage.head else RESIDUAL)
+                               inputs=embed_inputs(self.model, batch), valid=batch.get("attention_mask"),
+                               compute=par.compute, head_inputs=[batch.get(k) for k in self._head_inputs])
+                return self._unwrap(x, self._output_axes if stage.head else RESIDUAL)
 
         return run
 
@@ -150,41 +149,38 @@ class PipelineStep:
         par = self.par
         batch = {k: self._wrap(packed[:, i].to(dtype), None) for i, (k, dtype) in enumerate(self._target_keys)}
         with layout.activate(par if par.tp_mesh is not None else None):
-            loss, _ = self.objective(self._wrap(outputs, LOGITS), batch)
+            loss, _ = self._objective_now(self._wrap(outputs, self._output_axes), batch)
         if isinstance(loss, DTensor):
             loss = loss.redistribute(par.tp_mesh, [Replicate()]).to_local()
         return loss * self._inv_tokens
 
-    def _first_input(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        """The tokens, stacked with what the embedding reads besides them (``EMBED_INPUTS``)."""
-        tokens = torch.cat([m["inputs"] for m in micro])
-        if not self._embed_inputs:
-            return tokens
-        missing = [k for k in self._embed_inputs if k not in micro[0]]
-        if missing:
-            raise ConfigError(f"the pipeline's first stage embeds batch[{missing[0]!r}], which this data does not "
-                              f"give; use data built for this model family")
-        return torch.stack([tokens, *(torch.cat([m[k] for m in micro]) for k in self._embed_inputs)], dim=1)
+    def stage_kwargs(self, micro: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """What every stage is given besides the tokens or the residual stream (whole global
+        batch rows; the schedule splits them): the embedding's inputs the batch has, the
+        attention mask when the batch has one, and the head's inputs."""
+        keys = [*(k for k in self.model.EMBED_INPUTS if k in micro[0]), "attention_mask", *self._head_inputs]
+        return {k: torch.cat([m[k] for m in micro]) for k in dict.fromkeys(keys) if k in micro[0]}
 
     def _packed_target(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """``objective.batch_keys`` present in the batch as one float64 tensor ``[batch, keys,
         ...]`` (exact for token ids below 2**53 and for fp32 masks), unpacked by ``_loss_fn``."""
-        keys = [k for k in self.objective.batch_keys if k in micro[0]]
+        keys = [k for k in self._objective_now.batch_keys if k in micro[0]]
         self._target_keys = [(k, micro[0][k].dtype) for k in keys]
         return torch.stack([torch.cat([m[k] for m in micro]).to(torch.float64) for k in keys], dim=1)
 
-    def _run_schedule(self, micro: list[dict[str, torch.Tensor]], train: bool) -> torch.Tensor:
-        if "attention_mask" in micro[0] and not all(bool(m["attention_mask"].all()) for m in micro):
-            raise ConfigError("this batch pads its sequences (attention_mask has zeros), and the pipeline does not "
-                              "carry an attention mask between stages: train it without pp (--mesh without pp=), "
-                              "or on packed, unpadded sequences")
+    def _run_schedule(self, micro: list[dict[str, torch.Tensor]], train: bool,
+                      objective: Objective | None = None) -> torch.Tensor:
+        self._objective_now = objective if objective is not None else self.objective
         losses: list[torch.Tensor] = []
-        args = (self._first_input(micro),) if self.has_first else ()
+        args = (torch.cat([m["inputs"] for m in micro]),) if self.has_first else ()
         kwargs = {"target": self._packed_target(micro), "losses": losses} if self.has_last else {}
-        (self.schedule.step if train else self.schedule.eval)(*args, **kwargs)
-        mine = torch.stack([loss.detach().reshape(()) for loss in losses]).sum() if losses else \
-            torch.zeros((), device=self.device)
+        (self.schedule.step if train else self.schedule.eval)(*args, **kwargs, **self.stage_kwargs(micro))
+        mine = torch.stack([loss.detach() for loss in losses]).sum(0) if losses else self._zero_sum()
         return funcol.all_reduce(mine, "sum", self._loss_group)  # only the last stage has it
+
+    def _zero_sum(self) -> torch.Tensor:
+        """What a stage without the loss adds: zeros of the objective's sum's shape."""
+        return torch.zeros(self._objective_now.sum_shape, device=self.device)
 
     # -- one optimizer step -----------------------------------------------------------
     def _update_fn(self, flat: list[torch.Tensor], grads: list[torch.Tensor], opt_state: dict, lr: torch.Tensor,
@@ -222,9 +218,11 @@ class PipelineStep:
         grad_norm, finite, bad = self._update(self.flat, grads, opt_state, lr_t, self._norm_weights, unscale)
         return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite, "nonfinite_grads": bad}
 
-    def eval_sum(self, micro_batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    def eval_sum(self, micro_batches: list[dict[str, torch.Tensor]],
+                 objective: Objective | None = None) -> torch.Tensor:
         """Summed loss of this data rank's micro batches, reduced over the pipeline and the
-        data axes (every rank returns the same value)."""
+        data axes (every rank returns the same value); ``objective`` instead of the step's
+        (e.g. a classifier's loss and right answers)."""
         self._inv_tokens = torch.ones((), device=self.device)
         with torch.no_grad():
-            return self._run_schedule(micro_batches, train=False)
+            return self._run_schedule(micro_batches, train=False, objective=objective)

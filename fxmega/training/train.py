@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 from fxmega.config import RunConfig, to_dict
@@ -186,17 +185,9 @@ class Run:
         """The whole model's parameters as full, unsharded tensors on every rank (every rank
         takes part). Pipeline stages are exchanged with an all_gather_object over pp: for
         checking small models, not for 70B."""
-        par = self.parallel
-        if par is None:
+        if self.parallel is None:
             return self.params
-        flat = par.full_tensors(tree.leaves(self.params))
-        if not self.pipelined:
-            return tree.unflatten_like(self.specs, flat)
-        mine = {p: t.cpu() for p, t in zip(tree.paths(self.local_specs), flat)}
-        everyone: list[dict] = [None] * par.spec.size("pp")  # type: ignore[list-item]
-        dist.all_gather_object(everyone, mine, group=par.group(("pp",)).get_group())
-        merged = {p: t for part in everyone for p, t in part.items()}
-        return tree.map_with_path(lambda path, _: merged[path].to(self.device), self.specs)
+        return self.parallel.full_params(self.params, self.specs)
 
     def save(self, root: str) -> str:
         """Save a checkpoint of this step under ``root`` (asynchronously with
