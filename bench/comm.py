@@ -45,8 +45,8 @@ def minimum(name: str, par, cfg) -> dict[str, float]:
     """Least bytes each rank must send per step, by mesh axis."""
     w = 2
     ring_ar = 2 * (w - 1) / w
-    sharded = sum(lay.local_numel("param") * 4 for lay in par.layouts if lay.zero_dim is not None)
-    replicated = sum(lay.local_numel("param") * 4 for lay in par.layouts if lay.zero_dim is None)
+    sharded = sum(lay.local_numel("param") * 4 for lay in par.shards.layouts if lay.zero_dim is not None)
+    replicated = sum(lay.local_numel("param") * 4 for lay in par.shards.layouts if lay.zero_dim is None)
     if name.startswith(("DP", "ZeRO-1", "ZeRO-2")):
         return {"dp": ring_ar * (sharded + replicated)}
     if name.startswith(("ZeRO-3", "FSDP")):
@@ -58,7 +58,7 @@ def minimum(name: str, par, cfg) -> dict[str, float]:
     bs = t.micro_batch_size * t.seq_len * 4
     volume = (4 * m.n_layers + 2) * ring_ar * bse + 3 * ring_ar * bs
     if "SP" in name:
-        norms = sum(lay.local_numel("param") * 4 for lay in par.layouts if lay.axes == ("embed",))
+        norms = sum(lay.local_numel("param") * 4 for lay in par.shards.layouts if lay.axes == ("embed",))
         volume += ring_ar * norms
     return {"tp": volume}
 
@@ -84,7 +84,7 @@ def worker() -> None:
         torch._dynamo.reset()
         with record_collectives() as graphs:
             run.do_step()
-        labels = par.group_labels()
+        labels = par.groups.labels()
         per_axis: dict[str, list] = {}
         for c in graphs[0]:
             axis = labels.get(c.group, c.group)

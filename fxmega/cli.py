@@ -17,6 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from fxmega.config import RunConfig, load, override
 from fxmega.core.errors import ConfigError, FxmegaError
 from fxmega.inference.generation_cli import generate_fn, generate_texts, load_generator
@@ -30,6 +32,7 @@ from fxmega.planning.report import parse_bytes, plan_report
 from fxmega.planning.summary import summary
 from fxmega.sharding import distributed, visualize
 from fxmega.sharding.mesh import MeshSpec
+from fxmega.sharding.runtime import Parallel
 from fxmega.sharding.strategy import plan_from
 from fxmega.storage import convert
 from fxmega.storage.orbax_io import from_orbax, to_orbax
@@ -315,12 +318,12 @@ def _auto(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_job(cfg: RunConfig, parallel: Any, device: Any, progress: bool) -> None:
+def _train_job(cfg: RunConfig, parallel: Parallel | None, device: torch.device | None, progress: bool) -> None:
 
     train(cfg, progress=progress, parallel=parallel, device=device)
 
 
-def _eval(cfg: RunConfig, parallel: Any, device: Any) -> None:
+def _eval(cfg: RunConfig, parallel: Parallel | None, device: torch.device | None) -> None:
     import json
 
 
@@ -349,7 +352,7 @@ def _finetune(cfg: RunConfig, args: argparse.Namespace, argv: list[str]) -> int:
     return 0
 
 
-def _generate(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespace) -> None:
+def _generate(cfg: RunConfig, parallel: Parallel | None, device: torch.device | None, args: argparse.Namespace) -> None:
 
     if not args.prompt:
         raise ConfigError("generate needs at least one --prompt TEXT")
@@ -365,7 +368,7 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _serve(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespace) -> None:
+def _serve(cfg: RunConfig, parallel: Parallel | None, device: torch.device | None, args: argparse.Namespace) -> None:
     """An HTTP completion server on one device, or on a mesh: rank 0 answers HTTP and the
     other ranks follow its requests (``fxmega.inference.serve_mesh``)."""
     run = load_generator(cfg, parallel, device)
@@ -381,7 +384,7 @@ def _serve(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespace)
     server = serve(leader or generate_fn(run), run.tokenizer, args.host, args.port,
                    max_context=cfg.model.max_seq_len, max_prompt_tokens=cfg.model.max_seq_len - 1,
                    model_name=cfg.name)
-    where = f"mesh {parallel.spec.describe()}; " if parallel is not None else ""
+    where = f"mesh {parallel.groups.mesh.describe()}; " if parallel is not None else ""
     print(f"serving {cfg.name} on {server.url}/v1/completions ({where}Ctrl-C stops)", flush=True)
     # a launcher stops its workers with SIGTERM: stop as on Ctrl-C, so the followers are sent home
     signal.signal(signal.SIGTERM, _interrupt)
@@ -397,7 +400,8 @@ def _serve(cfg: RunConfig, parallel: Any, device: Any, args: argparse.Namespace)
         os._exit(0)
 
 
-def _on_mesh(cfg: RunConfig, argv: list[str], job: Callable[[RunConfig, Any, Any], None]) -> int:
+def _on_mesh(cfg: RunConfig, argv: list[str],
+             job: Callable[[RunConfig, Parallel | None, torch.device | None], None]) -> int:
     """Run ``job(cfg, parallel, device)`` in this process (one device), on ranks started
     with torch.distributed.run (a mesh larger than 1 outside a launcher), or as this rank."""
     mesh = MeshSpec.parse(cfg.parallel.mesh)

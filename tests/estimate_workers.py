@@ -43,7 +43,7 @@ def state_bytes(sets: list[str]) -> dict:
     run.do_step()
     step = run.train_step
     accum = getattr(step, "_accum_buffers", None)
-    pred = predicted(cfg, par.coords["pp"])
+    pred = predicted(cfg, par.groups.coords["pp"])
     return {"params": _nbytes(tree.leaves(run.params)),
             "opt": _nbytes(run.opt_state["exp_avg"]) + _nbytes(run.opt_state["exp_avg_sq"]),
             "grads": _nbytes(accum) if accum is not None else None,
@@ -82,7 +82,7 @@ def step_peak(sets: list[str]) -> dict:
     out = fn(flat, batch)
     measured = peak_bytes(device) - before
     del out
-    pred = predicted(cfg, par.coords["pp"] if par is not None else 0)
+    pred = predicted(cfg, par.groups.coords["pp"] if par is not None else 0)
     return {"measured": measured, "predicted": pred.activations + pred.transient + pred.compute_copy,
             "activations": pred.activations, "transient": pred.transient}
 
@@ -120,6 +120,6 @@ def pipeline_step_peak(sets: list[str]) -> dict:
     before = current_bytes(device)
     run.do_step()
     measured = peak_bytes(device) - before
-    pred = predicted(cfg, par.coords["pp"])
+    pred = predicted(cfg, par.groups.coords["pp"])
     return {"measured": measured, "predicted": pred.activations + pred.transient + pred.compute_copy,
             "activations": pred.activations, "transient": pred.transient, "in_flight": pred.in_flight}

@@ -36,7 +36,7 @@ def pipelined(runs: list[tuple[str, dict, bool, tuple]], steps: int) -> dict | N
         full = {p: t.detach().clone() for p, t in tree.items(run.full_params())}
         local = {p: t.detach().clone() for p, t in tree.items(run.params)}
         out[name] = {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
-                     "valid": valid, "params": full, "local": local, "coords": par.coords,
+                     "valid": valid, "params": full, "local": local, "coords": par.groups.coords,
                      "graphs": graphs}
     return out if torch.distributed.get_rank() == 0 else _rank_result(out)
 

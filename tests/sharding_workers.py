@@ -54,7 +54,7 @@ def _train(cfg, steps: int, record: bool):
             metrics = [run.do_step() for _ in range(steps)]
     else:
         graphs, metrics = [], [run.do_step() for _ in range(steps)]
-    labels = par.group_labels()
+    labels = par.groups.labels()
     collectives = [[(c.op, labels.get(c.group, c.group), c.shape, c.bytes_sent_per_rank) for c in g] for g in graphs]
     return run, par, metrics, collectives
 
@@ -69,9 +69,9 @@ def strategies(names: list[str], steps: int) -> dict | None:
         full = {path: t.detach().clone() for path, t in tree.items(run.full_params())}
         out[name] = {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
                      "params": full, "graphs": counters["stats"]["unique_graphs"],
-                     "collectives": collectives, "n_params": len(par.layouts),
-                     "local_numels": [lay.local_numel("grad") for lay in par.layouts],
-                     "zero_dims": [lay.zero_dim for lay in par.layouts]}
+                     "collectives": collectives, "n_params": len(par.shards.layouts),
+                     "local_numels": [lay.local_numel("grad") for lay in par.shards.layouts],
+                     "zero_dims": [lay.zero_dim for lay in par.shards.layouts]}
     return out if torch.distributed.get_rank() == 0 else None
 
 
@@ -93,11 +93,11 @@ def sharded_init() -> list:
     for parallel in (dict(mesh="tp=2"), dict(mesh="dp=2", rules="zero3")):
         cfg = tiny_config(parallel, compile=False)
         par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
-        params = par.init_params(cfg.train.seed, device)
-        layouts = {lay.path: (lay.tp_dim, lay.zero_dim, lay.data_axes["param"]) for lay in par.layouts}
-        out.append({"coords": par.coords, "local": {p: t.detach().clone() for p, t in tree.items(params)},
-                    "layouts": layouts, "roundtrip": {p: t.clone() for p, t in
-                                                      zip(tree.paths(params), par.full_tensors(tree.leaves(params)))}})
+        params = par.shards.init_params(cfg.train.seed, device)
+        layouts = {lay.path: (lay.tp_dim, lay.zero_dim, lay.data_axes["param"]) for lay in par.shards.layouts}
+        full = par.shards.full_tensors(tree.leaves(params))
+        out.append({"coords": par.groups.coords, "local": {p: t.detach().clone() for p, t in tree.items(params)},
+                    "layouts": layouts, "roundtrip": {p: t.clone() for p, t in zip(tree.paths(params), full)}})
     return out
 
 
@@ -125,7 +125,7 @@ def vocab_parallel_cross_entropy(vocab: int) -> dict:
     local = logits.chunk(2, dim=-1)[rank].clone().requires_grad_()
     dt = DTensor.from_local(local, mesh, [Shard(2)], run_check=False)
     tgt = DTensor.from_local(targets, mesh, [torch.distributed.tensor.Replicate()], run_check=False)
-    with layout.activate(par):
+    with layout.activate(par.activations):
         loss = layers.cross_entropy_sum(dt, tgt, vocab_size=vocab)
     loss = loss.full_tensor()
     loss.backward()

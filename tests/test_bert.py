@@ -238,13 +238,13 @@ def tp_worker(rules: str) -> dict:
 
     def local_shard(path: str, spec) -> DTensor:  # this rank's slice of the single-device init
         lay = par.plan.params[path]
-        local = par.shard(par.pad(init.init_tensor(spec, path, 0), lay), lay)
+        local = par.shards.shard(par.shards.pad(init.init_tensor(spec, path, 0), lay), lay)
         return DTensor.from_local(local, mesh, [Replicate() if lay.tp_dim is None else Shard(lay.tp_dim)],
                                   run_check=False)
 
     params = tree.map_with_path(local_shard, specs)
     batch = [DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in _batch()]
-    with torch.no_grad(), layout.activate(par):
+    with torch.no_grad(), layout.activate(par.activations):
         hidden = bert.forward(params, batch[0], cfg, batch[1], batch[2])
         out = {"hidden": hidden, "logits": bert.mlm_logits(params, hidden, cfg),
                "pooled": bert.pooler_output(params, hidden, cfg)}

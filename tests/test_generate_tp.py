@@ -85,7 +85,7 @@ def on_ranks() -> dict:
                   "sampled": generate_on_mesh(run, PROMPTS, NEW, temperature=1.0, top_p=0.9, seed=3)}
         decoder = MeshDecoder(run.model, par, run.params, cfg.model)
         result["cached_blocks"] = sorted(decoder.init_cache(1, 4))
-        if par.tp > 1:
+        if par.groups.tp > 1:
             longest = max(map(len, PROMPTS))
             pad = torch.tensor([longest - len(p) for p in PROMPTS])
             tokens = torch.tensor([[0] * (longest - len(p)) + p for p in PROMPTS])

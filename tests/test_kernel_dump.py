@@ -171,7 +171,7 @@ def worker(directory: str) -> list:
         par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
         run = Run(cfg, par, device)
         torch._dynamo.reset()
-        with dump_kernels(Path(directory) / name, rank=par.rank, group_labels=par.group_labels):
+        with dump_kernels(Path(directory) / name, rank=par.rank, group_labels=par.groups.labels):
             run.do_step()
         out.append(json.loads((Path(directory) / name / f"rank{par.rank}" / "index.json").read_text()))
     return out

@@ -21,7 +21,8 @@ LAYERS = {
             "data.preprocess data.sources data.tokenizer data.vocab_files",
     "config": "config",
     "sharding plan": "sharding sharding.plan sharding.strategy sharding.estimate sharding.visualize",
-    "distributed runtime": "sharding.runtime sharding.zero3 sharding.distributed",
+    "distributed runtime": "sharding.groups sharding.tp_layouts sharding.param_shards sharding.grad_sync "
+                           "sharding.zero3 sharding.runtime sharding.distributed",
     "checkpoints and conversion": "storage storage.checkpoint_files storage.checkpoint storage.run_state "
                                   "storage.hf_files storage.hf_layout storage.hf_bert storage.convert "
                                   "storage.orbax_io",

@@ -59,10 +59,10 @@ def test_fake_parallel_shards_match_the_plan():
     cfg = cfg_of("tiny_llama", "parallel.mesh=dp=2,fsdp=2,tp=2", "parallel.rules=fsdp", "train.global_batch_size=32")
     with fake_world(8, 5):
         par = fake_parallel(cfg, 5)
-        assert par.coords["tp"] == 1 and par.coords["fsdp"] == 0 and par.coords["dp"] == 1
+        assert par.groups.coords["tp"] == 1 and par.groups.coords["fsdp"] == 0 and par.groups.coords["dp"] == 1
         from fxmega.planning.fake import check_placements
 
-        assert check_placements(par) == 3 * len(par.layouts)
+        assert check_placements(par) == 3 * len(par.shards.layouts)
 
 
 # Traced collectives, each compiled graph once, against the estimate (one micro batch)

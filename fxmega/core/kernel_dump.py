@@ -1,7 +1,7 @@
 """Kernel and graph dumps (``--dump-kernels DIR``): what every graph compiled inside
 ``dump_kernels`` became, and which source ops each kernel fuses.
 
-    with dump_kernels("dumps", rank=par.rank, group_labels=par.group_labels):
+    with dump_kernels("dumps", rank=par.rank, group_labels=par.groups.labels):
         run.do_step()          # compiles here
 
 writes ``dumps/index.md`` (links to the ranks) and, per rank, ``dumps/rank{r}/``:

@@ -29,7 +29,7 @@ the same logits with no broadcast. Parameters are used in their stored dtype (fp
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fxmega.core import tree
 from fxmega.inference.generate import Cache, LocalDecoder, decode
 from fxmega.models.pieces import blocks_of, decode_pieces
+from fxmega.models.registry import ModelConfig, ModelFamily
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import Stage
 from fxmega.sharding.runtime import Parallel
@@ -58,12 +59,12 @@ class DecodeLayout:
         return tuple(None if a == "seq" else a for a in axes)
 
     def constrain(self, x: Any, axes: tuple[str | None, ...]) -> Any:
-        return self.parallel.constrain(x, self._whole_seq(axes))
+        return self.parallel.activations.constrain(x, self._whole_seq(axes))
 
     def local(self, fn: Callable[..., Any], in_axes: tuple[tuple[str | None, ...] | None, ...],
               out_axes: tuple[str | None, ...]) -> Callable[..., Any]:
         in_axes = tuple(None if a is None else self._whole_seq(a) for a in in_axes)
-        return self.parallel.local(fn, in_axes, self._whole_seq(out_axes))
+        return self.parallel.activations.local(fn, in_axes, self._whole_seq(out_axes))
 
 
 def decode_params(parallel: Parallel, params: tree.Tree) -> tree.Tree:
@@ -74,14 +75,14 @@ def decode_params(parallel: Parallel, params: tree.Tree) -> tree.Tree:
         local = local.detach()
         if lay.data_axes["param"]:
             only_tp = [Shard(lay.tp_dim) if axis == "tp" and lay.tp_dim is not None else Replicate()
-                       for axis in parallel.spec.names]
-            local = parallel.as_dtensor(local, lay).redistribute(parallel.device_mesh, only_tp).to_local()
-        if parallel.tp_mesh is None:
+                       for axis in parallel.groups.mesh.names]
+            local = parallel.shards.as_dtensor(local, lay).redistribute(parallel.groups.device_mesh, only_tp).to_local()
+        if parallel.groups.tp_mesh is None:
             return local
         placement = Replicate() if lay.tp_dim is None else Shard(lay.tp_dim)
-        return DTensor.from_local(local, parallel.tp_mesh, [placement], run_check=False)
+        return DTensor.from_local(local, parallel.groups.tp_mesh, [placement], run_check=False)
 
-    return tree.map_leaves(one, params, parallel.layout_tree)
+    return tree.map_leaves(one, params, parallel.shards.layout_tree)
 
 
 class MeshDecoder:
@@ -89,12 +90,12 @@ class MeshDecoder:
     ``generate.Decoder`` for ``decode``. ``params`` are this rank's local tensors, as
     training holds them."""
 
-    def __init__(self, model: Any, parallel: Parallel, params: tree.Tree, cfg: Any) -> None:
+    def __init__(self, model: ModelFamily, parallel: Parallel, params: tree.Tree, cfg: ModelConfig) -> None:
         self.model, self.parallel, self.cfg = model, parallel, cfg
         self.params = decode_params(parallel, params)
         self.dtype = tree.leaves(params)[0].dtype
         self.device = tree.leaves(params)[0].device
-        self.tp_mesh = parallel.tp_mesh
+        self.tp_mesh = parallel.groups.tp_mesh
         self.layout = DecodeLayout(parallel) if self.tp_mesh is not None else None
         pipe = parallel.plan.pipeline
         if pipe is None:
@@ -102,8 +103,8 @@ class MeshDecoder:
             self.me, self.group, self.stage_params = 0, None, [self.params]
             return
         self.stages = list(pipe.stages)
-        self.me = parallel.coords["pp"]
-        self.group = parallel.group(("pp",)).get_group()
+        self.me = parallel.groups.coords["pp"]
+        self.group = parallel.groups.group(("pp",)).get_group()
         self.stage_params = [s.params_of(self.params, model.EMBED_PARAMS, model.HEAD_PARAMS) if s.rank == self.me
                              else None for s in self.stages]
 
@@ -113,7 +114,7 @@ class MeshDecoder:
     def init_cache(self, batch: int, max_len: int) -> Cache:
         """Empty caches of this rank's blocks; under tp each holds only this rank's heads."""
         shape = list(self.model.kv_cache_shape(self.cfg, batch, max_len))
-        tp = self.parallel.tp
+        tp = self.parallel.groups.tp
         if shape[CACHE_HEADS_DIM] % tp:  # the plan refuses such a model before this
             raise ValueError(f"{shape[CACHE_HEADS_DIM]} cached heads do not split over tp={tp}")
         shape[CACHE_HEADS_DIM] //= tp
@@ -163,8 +164,24 @@ class MeshDecoder:
         return logits, new
 
 
+class Configured(Protocol):
+    """A run config, as far as generation reads it."""
+
+    model: ModelConfig
+
+
+class ModelHolder(Protocol):
+    """Whatever holds a model's parameters on this rank: a ``LoadedModel`` or a training
+    ``Run``."""
+
+    cfg: Configured
+    model: ModelFamily
+    params: dict
+    parallel: Parallel | None
+
+
 @torch.no_grad()
-def generate_on_mesh(holder: Any, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+def generate_on_mesh(holder: ModelHolder, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, stop_tokens: Sequence[int] = (),
                      seed: int = 0) -> list[list[int]]:
     """The new tokens for each prompt (``generate.decode``'s semantics and return), decoded where
@@ -177,13 +194,13 @@ def generate_on_mesh(holder: Any, prompts: list[list[int]], max_new_tokens: int,
         return decode(LocalDecoder(holder.model, holder.params, cfg), cfg, prompts, max_new_tokens, temperature, top_k,
                       top_p, stop_tokens, seed)
     decoder = MeshDecoder(holder.model, par, holder.params, cfg)
-    if par.data_size == 1:
+    if par.groups.data_size == 1:
         return decode(decoder, cfg, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed)
     # data replicas decode independent prompts: rows r, r + dp, r + 2 dp, ... on data rank r
-    mine = list(range(par.data_rank, len(prompts), par.data_size))
+    mine = list(range(par.groups.data_rank, len(prompts), par.groups.data_size))
     outs = decode(decoder, cfg, [prompts[i] for i in mine], max_new_tokens, temperature, top_k, top_p, stop_tokens,
                   seed, rows=mine)
-    everyone: list[dict[int, list[int]]] = [{}] * par.data_size
-    dist.all_gather_object(everyone, dict(zip(mine, outs)), group=par.group(par.data_axes).get_group())
+    everyone: list[dict[int, list[int]]] = [{}] * par.groups.data_size
+    dist.all_gather_object(everyone, dict(zip(mine, outs)), group=par.groups.group(par.groups.data_axes).get_group())
     merged = {row: ids for part in everyone for row, ids in part.items()}
     return [merged[i] for i in range(len(prompts))]

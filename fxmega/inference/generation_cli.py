@@ -5,7 +5,9 @@ printing completions or serving them over HTTP."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+
+import torch
 
 from fxmega.config import RunConfig
 from fxmega.core.errors import ConfigError
@@ -16,7 +18,8 @@ from fxmega.models import family_name, model_for
 from fxmega.sharding.runtime import Parallel
 
 
-def load_generator(cfg: RunConfig, parallel: Parallel | None = None, device: Any = None) -> LoadedModel:
+def load_generator(cfg: RunConfig, parallel: Parallel | None = None,
+                   device: torch.device | None = None) -> LoadedModel:
     """``--load``'s parameters (resharded onto the mesh) and the tokenizer, for generating:
     no optimizer state, no data."""
     if not hasattr(model_for(cfg.model), "kv_cache_shape"):
@@ -25,13 +28,13 @@ def load_generator(cfg: RunConfig, parallel: Parallel | None = None, device: Any
     return load_model(cfg, parallel, device, command="generate/serve")
 
 
-def generate_fn(run: Any) -> Any:
+def generate_fn(run: LoadedModel) -> Callable[..., list[list[int]]]:
     """``(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed) -> new ids``
     for this run: cached generation on one device, or on the run's mesh."""
     return functools.partial(generate_on_mesh, run)
 
 
-def generate_texts(run: Any, prompts: list[str], max_new_tokens: int, temperature: float, top_k: int,
+def generate_texts(run: LoadedModel, prompts: list[str], max_new_tokens: int, temperature: float, top_k: int,
                    top_p: float, stops: list[str], seed: int) -> list[str]:
     """Completions of ``prompts`` (text after each prompt, cut at the first stop string)."""
 

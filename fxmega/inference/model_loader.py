@@ -60,7 +60,7 @@ def empty_params(specs: dict, parallel: Parallel | None, device: torch.device,
     if parallel is None:
         return tree.map_leaves(lambda spec: torch.empty(spec.shape, dtype=dtype, device=device), specs)
     return tree.map_leaves(lambda lay: torch.empty(lay.local_shape("param"), dtype=dtype, device=device),
-                           parallel.layout_tree)
+                           parallel.shards.layout_tree)
 
 
 def recorded(path: str) -> tuple[Path, dict[str, Any]]:
@@ -106,7 +106,7 @@ def init_model(cfg: RunConfig, parallel: Parallel | None = None, device: torch.d
     if parallel is None:
         params, local = init_params(specs, cfg.train.seed, device), specs
     else:
-        params = tree.map_leaves(lambda t: t.detach(), parallel.init_params(cfg.train.seed, device))
+        params = tree.map_leaves(lambda t: t.detach(), parallel.shards.init_params(cfg.train.seed, device))
         local = parallel.specs
     tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.data_dir) if with_tokenizer else None
     return LoadedModel(cfg, model, specs, local, params, parallel, device, tokenizer)

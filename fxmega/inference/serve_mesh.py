@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 import torch.distributed as dist
 
 from fxmega.inference.generate import check_request
-from fxmega.inference.generate_parallel import generate_on_mesh
+from fxmega.inference.generate_parallel import ModelHolder, generate_on_mesh
 
 _GENERATE, _PING, _STOP = "generate", "ping", "stop"
 
@@ -33,7 +32,7 @@ def _broadcast(message: tuple) -> tuple:
 class Leader:
     """Rank 0's ``generate_fn`` for the server: each call is run by every rank."""
 
-    def __init__(self, holder: Any, keepalive_s: float) -> None:
+    def __init__(self, holder: ModelHolder, keepalive_s: float) -> None:
         self.holder, self.keepalive_s = holder, keepalive_s
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -70,7 +69,7 @@ class Leader:
         return not sender.is_alive()
 
 
-def follow(holder: Any) -> int:
+def follow(holder: ModelHolder) -> int:
     """A rank other than 0: run every request rank 0 broadcasts until it says stop; the number
     of generations run."""
     served = 0

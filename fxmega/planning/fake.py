@@ -18,11 +18,11 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fxmega.config import RunConfig
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.core.precision import compute_dtype
@@ -53,7 +53,7 @@ def fake_world(world_size: int, rank: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def fake_parallel(cfg: Any, rank: int) -> Any:
+def fake_parallel(cfg: RunConfig, rank: int) -> Parallel:
     """This rank's ``Parallel`` on the fake process group (as ``distributed.setup`` builds it
     in a real run, without printing)."""
     mesh = MeshSpec.parse(cfg.parallel.mesh)
@@ -65,21 +65,21 @@ def fake_parallel(cfg: Any, rank: int) -> Any:
                     cfg.compute)
 
 
-def meta_params(par: Any) -> tree.Tree:
+def meta_params(par: Parallel) -> tree.Tree:
     """This rank's parameter shards as meta tensors (shapes only), ready for a step."""
     return tree.map_with_path(
         lambda path, _: torch.empty(par.plan.params[path].local_shape("param"), device="meta", requires_grad=True),
         par.specs)
 
 
-def check_placements(par: Any) -> int:
+def check_placements(par: Parallel) -> int:
     """Wrap every local shard as a DTensor over the whole (fake) mesh and check that its
     global shape and local shape are the plan's; returns how many were checked."""
     n = 0
     for path, _ in tree.items(par.specs):
         lay = par.plan.params[path]
         for kind in ("param", "grad", "opt"):
-            dt = par.as_dtensor(torch.empty(lay.local_shape(kind), device="meta"), lay, kind)
+            dt = par.shards.as_dtensor(torch.empty(lay.local_shape(kind), device="meta"), lay, kind)
             if tuple(dt.shape) != lay.shape or tuple(dt.to_local().shape) != lay.local_shape(kind):
                 raise AssertionError(f"{path} ({kind}): DTensor {tuple(dt.shape)} local {tuple(dt.to_local().shape)}"
                                      f" vs plan {lay.shape} local {lay.local_shape(kind)}")
@@ -104,7 +104,7 @@ class RankTrace:
         return out
 
 
-def trace_rank_step(cfg: Any, par: Any) -> RankTrace:
+def trace_rank_step(cfg: RunConfig, par: Parallel) -> RankTrace:
     """Compile this rank's training step on meta tensors with the aot_eager backend (the
     forward, backward and update graphs, collectives included; no kernels are generated)
     and return the collectives each graph holds, each compiled graph once (a step of n
@@ -115,8 +115,8 @@ def trace_rank_step(cfg: Any, par: Any) -> RankTrace:
     start = time.perf_counter()
     params = meta_params(par)
     opt = {"step": torch.zeros((), device="meta"),
-           "exp_avg": [torch.zeros(lay.local_shape("opt"), device="meta") for lay in par.layouts],
-           "exp_avg_sq": [torch.zeros(lay.local_shape("opt"), device="meta") for lay in par.layouts]}
+           "exp_avg": [torch.zeros(lay.local_shape("opt"), device="meta") for lay in par.shards.layouts],
+           "exp_avg_sq": [torch.zeros(lay.local_shape("opt"), device="meta") for lay in par.shards.layouts]}
     t = cfg.train
     hyper = AdamWHyper(cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay)
     decay = decay_mask(par.specs, cfg.optim.decay_embeddings)
@@ -130,12 +130,13 @@ def trace_rank_step(cfg: Any, par: Any) -> RankTrace:
             step(params, opt, [batch], 1e-4, n_tokens=torch.tensor(float(batch["targets"].numel())))
         else:
             _trace_stages(cfg, par, params, decay, hyper, batch)
-    return RankTrace(graphs, par.group_labels(), time.perf_counter() - start)
+    return RankTrace(graphs, par.groups.labels(), time.perf_counter() - start)
 
 
-def _trace_stages(cfg: Any, par: Any, params: tree.Tree, decay: list, hyper: Any, batch: dict) -> None:
+def _trace_stages(cfg: RunConfig, par: Parallel, params: tree.Tree, decay: list, hyper: AdamWHyper,
+                  batch: dict) -> None:
     params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), params)
-    n_micro = max(cfg.grad_accum_steps(par.data_size), par.plan.pipeline.pp)
+    n_micro = max(cfg.grad_accum_steps(par.groups.data_size), par.plan.pipeline.pp)
     model = model_for(cfg.model)
     step = PipelineStep(par, cfg.model, model, model.objective(cfg.model), params, decay, hyper,
                         cfg.optim.clip_grad, n_micro, True, torch.device("meta"), backend="aot_eager")

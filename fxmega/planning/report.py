@@ -193,11 +193,11 @@ def _on_fake_mesh(cfg: Any, plan: ShardingPlan, rank: int | None, dump_dir: str 
     with fake.fake_world(plan.mesh.world_size, who):
         par = fake.fake_parallel(cfg, who)
         n = fake.check_placements(par)
-        lines = [f"checked on a fake {plan.mesh.world_size}-rank process group: rank {who}'s {len(par.layouts)} "
+        lines = [f"checked on a fake {plan.mesh.world_size}-rank process group: rank {who}'s {len(par.shards.layouts)} "
                  f"parameters as DTensors over the mesh ({n} param/grad/opt layouts), shapes as planned"]
         if rank is None:
             return lines
-        dumping = dump_kernels(dump_dir, rank, par.group_labels) if dump_dir else contextlib.nullcontext()
+        dumping = dump_kernels(dump_dir, rank, par.groups.labels) if dump_dir else contextlib.nullcontext()
         with dumping:
             trace = fake.trace_rank_step(cfg, par)
         if dump_dir:

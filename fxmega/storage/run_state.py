@@ -14,24 +14,55 @@ from __future__ import annotations
 import base64
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from fxmega.config import to_dict
+from fxmega.config import RunConfig, to_dict
 from fxmega.core import tree
 from fxmega.core.errors import CheckpointError
-from fxmega.data.tokenizer import portable
+from fxmega.core.precision import LossScaler
+from fxmega.data.tokenizer import Tokenizer, portable
 from fxmega.models import family_name
+from fxmega.sharding.runtime import Parallel
 from fxmega.storage import checkpoint
 
 FORMAT = 1
 
 
-def _targets(run: Any, params_only: bool = False) -> dict[str, tuple[torch.Tensor, Any, str]]:
+class HoldsParams(Protocol):
+    """What a parameters-only save or load reads: the whole model's spec tree, the part this
+    rank holds, its tensors, and the runtime that sharded them (None on one device)."""
+
+    parallel: Parallel | None
+    specs: dict
+    local_specs: dict
+    params: dict
+
+
+class Described(Protocol):
+    """What a run's data says about itself (``meta.json`` records it)."""
+
+    description: str
+
+
+class RunState(HoldsParams, Protocol):
+    """What a full save or load reads and restores: the parameters, the optimizer state,
+    the counters, the fp16 loss scaler, and what the run was configured and fed with."""
+
+    cfg: RunConfig
+    opt_state: dict
+    step: int
+    skipped_steps: int
+    scaler: LossScaler | None
+    data: Described
+    tokenizer: Tokenizer | None
+
+
+def _targets(run: HoldsParams | RunState, params_only: bool = False) -> dict[str, tuple[torch.Tensor, Any, str]]:
     """fqn -> (this rank's local tensor, its layout or None, kind)."""
     par, paths = run.parallel, tree.paths(run.local_specs)
-    lays = par.layouts if par is not None else [None] * len(paths)
+    lays = par.shards.layouts if par is not None else [None] * len(paths)
     out = {f"params.{p}": (t, lay, "param") for p, t, lay in zip(paths, tree.leaves(run.params), lays)}
     if not params_only:
         out["opt.step"] = (run.opt_state["step"], None, "scalar")
@@ -40,35 +71,35 @@ def _targets(run: Any, params_only: bool = False) -> dict[str, tuple[torch.Tenso
     return out
 
 
-def tensors(run: Any, params_only: bool = False) -> dict[str, torch.Tensor]:
+def tensors(run: HoldsParams | RunState, params_only: bool = False) -> dict[str, torch.Tensor]:
     """What DCP saves: local tensors, as DTensors over the mesh when sharded."""
     par = run.parallel
-    return {fqn: t.detach() if lay is None or par is None else par.as_dtensor(t.detach(), lay, kind)
+    return {fqn: t.detach() if lay is None or par is None else par.shards.as_dtensor(t.detach(), lay, kind)
             for fqn, (t, lay, kind) in _targets(run, params_only).items()}
 
 
-def tokenizer_files(run: Any) -> tuple[str | None, dict[str, Path]]:
+def tokenizer_files(run: RunState) -> tuple[str | None, dict[str, Path]]:
     """The tokenizer spec a checkpoint of ``run`` records, reading its own copies of the
     files, and those files (``fxmega.data.tokenizer.portable``); ``(None, {})`` for a run
     without a tokenizer (synthetic data)."""
-    if getattr(run, "tokenizer", None) is None:
+    if run.tokenizer is None:
         return None, {}
     return portable(run.cfg.data.tokenizer, run.cfg.data.data_dir)
 
 
-def meta(run: Any, params_only: bool = False) -> dict[str, Any]:
+def meta(run: RunState, params_only: bool = False) -> dict[str, Any]:
 
     return {
         "format": FORMAT, "step": run.step, "consumed_samples": run.step * run.cfg.train.global_batch_size,
         "data": run.data.description, "config": to_dict(run.cfg), "model_family": family_name(run.cfg.model),
-        "mesh": run.parallel.spec.describe() if run.parallel is not None else "1", "params_only": params_only,
+        "mesh": run.parallel.groups.mesh.describe() if run.parallel is not None else "1", "params_only": params_only,
         "rng": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(), "saved_at": time.time(),
         "skipped_steps": run.skipped_steps,
         "loss_scaler": run.scaler.state_dict() if run.scaler is not None and not params_only else None,
     }
 
 
-def load_into(run: Any, path: Path, params_only: bool = False) -> dict[str, Any]:
+def load_into(run: HoldsParams | RunState, path: Path, params_only: bool = False) -> dict[str, Any]:
     """Load checkpoint ``path`` into ``run`` (this rank's shards), resharding as needed.
     ``params_only`` (or a checkpoint that holds only parameters, e.g. imported from
     Hugging Face) loads the parameters and leaves the optimizer and step fresh."""
@@ -94,7 +125,7 @@ def load_into(run: Any, path: Path, params_only: bool = False) -> dict[str, Any]
         for fqn, want in reshaped.items():
             t, lay, kind = targets[fqn]
             full = _pad_or_cut(template[fqn], want)
-            t.copy_(run.parallel.shard(full, lay, kind) if lay is not None else full)
+            t.copy_(run.parallel.shards.shard(full, lay, kind) if lay is not None else full)
     if not params_only:
         run.step = int(info["step"])
         run.skipped_steps = int(info.get("skipped_steps", 0))
@@ -110,7 +141,7 @@ def _model_line(info: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in model.items() if k in ("vocab_size", "d_model", "n_layers", "n_heads"))
 
 
-def _check_padding(fqn: str, have: tuple, want: tuple, run: Any) -> None:
+def _check_padding(fqn: str, have: tuple, want: tuple, run: HoldsParams) -> None:
     """Only vocabulary dims may differ (tp padding); anything else is another model."""
     path = fqn.split(".", 1)[1] if fqn.startswith("params.") else fqn.split(".", 2)[2]
     spec = dict(tree.items(run.specs)).get(path)

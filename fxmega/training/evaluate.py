@@ -32,7 +32,7 @@ Batch = dict[str, torch.Tensor]
 def my_micro_batches(batch: Batch, micro: int, parallel: Parallel | None, device: torch.device) -> list[Batch]:
     """This data rank's micro batches of a global batch, on ``device``."""
     parts = micro_batches(batch, micro) if parallel is None else \
-        micro_batches(batch, micro, parallel.data_rank, parallel.data_size)
+        micro_batches(batch, micro, parallel.groups.data_rank, parallel.groups.data_size)
     return [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in parts]
 
 
@@ -68,7 +68,7 @@ def mean_loss(cfg: RunConfig, valid_data: Any, sums: Callable[[list[Batch]], tor
             count += float(global_count([batch]))
             total += sums(my_micro_batches(batch, t.micro_batch_size, parallel, device))
     if parallel is not None and not summed_over_data:
-        total = parallel.sum_over_data(total)
+        total = parallel.groups.sum_over_data(total)
     return float(total) / count
 
 
@@ -83,7 +83,7 @@ def eval_sums(loaded: LoadedModel) -> tuple[Callable[[list[Batch]], torch.Tensor
         loaded.params = params
         decay = [False] * len(tree.leaves(params))
         pipe = PipelineStep(par, cfg.model, loaded.model, loaded.model.objective(cfg.model), params, decay,
-                            AdamWHyper(), 0.0, cfg.grad_accum_steps(par.data_size), t.compile, loaded.device,
+                            AdamWHyper(), 0.0, cfg.grad_accum_steps(par.groups.data_size), t.compile, loaded.device,
                             backend=t.compile_backend, options=recompute.inductor_options(False))
         return pipe.eval_sum, True
     if par is None:

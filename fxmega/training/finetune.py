@@ -159,13 +159,9 @@ def finetune(cfg: RunConfig, data_path: str | Path, valid_path: str | Path | Non
         eval_sums = one_device_loss_sum(specs, mcfg, cfg.compute, model, eval_objective)
     else:  # each rank's shards of the same full tensors: the slice of the one-device init or checkpoint
         full = dict(tree.items(params))
-
-        def mine_of(path: str, _: object) -> torch.Tensor:
-            lay = par.plan.params[path]
-            return par.shard(par.pad(full[path], lay), lay).to(device).requires_grad_(True)
-
-        params = tree.map_with_path(mine_of, par.specs)  # this rank's pipeline stages only, under pp
-        opt_state = par.init_opt_state(device)
+        params = tree.map_with_path(lambda path, _: par.shards.local_of(full[path], path).to(device)
+                                    .requires_grad_(True), par.specs)  # this rank's pipeline stages only, under pp
+        opt_state = par.shards.init_opt_state(device)
         loss_sum = par.loss_sum_fn(loss_by_pieces(mcfg, par.compute, model))
         eval_sums = par.loss_sum_fn(loss_by_pieces(mcfg, par.compute, model, eval_objective))
     decay = decay_mask(specs if par is None else par.specs, o.decay_embeddings)
@@ -173,7 +169,7 @@ def finetune(cfg: RunConfig, data_path: str | Path, valid_path: str | Path | Non
         # PipelineStage registers the stage's parameters as nn.Parameters (same storage)
         params = tree.map_leaves(lambda x: torch.nn.Parameter(x.detach(), requires_grad=True), params)
         step_fn = PipelineStep(par, mcfg, model, model.objective(), params, decay, hyper, o.clip_grad,
-                               cfg.grad_accum_steps(par.data_size), t.compile, device, backend=t.compile_backend)
+                               cfg.grad_accum_steps(par.groups.data_size), t.compile, device, backend=t.compile_backend)
     else:
         step_fn = TrainStep(loss_sum, decay, hyper, o.clip_grad, compile=t.compile, parallel=par,
                             backend=t.compile_backend)
@@ -186,7 +182,7 @@ def finetune(cfg: RunConfig, data_path: str | Path, valid_path: str | Path | Non
 
     def mine(batch: Batch) -> list[Batch]:
         """This data rank's micro batches of a global batch, on the device."""
-        rank, size = (par.data_rank, par.data_size) if par is not None else (0, 1)
+        rank, size = (par.groups.data_rank, par.groups.data_size) if par is not None else (0, 1)
         return [{k: v.to(device) for k, v in b.items()} for b in micro_batches(batch, t.micro_batch_size, rank, size)]
 
     def sums(batches: list[Batch]) -> tuple[float, float]:
@@ -230,7 +226,7 @@ def finetune(cfg: RunConfig, data_path: str | Path, valid_path: str | Path | Non
     if par is not None:  # the full tensors on every rank, without tp padding
         shapes = {path: s.shape for path, s in tree.items(specs)}
         params = tree.map_with_path(lambda path, f: f[tuple(slice(0, n) for n in shapes[path])],
-                                    par.full_params(params, specs))
+                                    par.shards.full_params(params, specs))
     saved = _save(cfg, params, t.steps, data.labels, data.description) if t.save_dir else ""
     if saved:
         say(f"saved model and classifier to {saved}")

@@ -22,7 +22,7 @@ targets and the loss mask) travels as the schedule's one target tensor.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -32,9 +32,11 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from fxmega.core import tree
 from fxmega.models.pieces import embed_inputs, output_axes, run_pieces
+from fxmega.models.registry import ModelConfig, ModelFamily
 from fxmega.ops.objectives import Objective, global_count
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import SCHEDULES, SPLIT_BACKWARD, Stage, check_microbatches
+from fxmega.sharding.runtime import Parallel
 from fxmega.training.optim import AdamWHyper
 from fxmega.training.step import compiled
 from fxmega.training.update import Update
@@ -42,7 +44,7 @@ from fxmega.training.update import Update
 RESIDUAL = ("batch", "seq", "embed")
 
 
-def _stage_tree(local: dict, stage: Stage, model: Any) -> dict:
+def _stage_tree(local: dict, stage: Stage, model: ModelFamily) -> dict:
     """The part of this rank's parameter tree that ``stage`` reads (same tensors)."""
     return stage.params_of(local, model.EMBED_PARAMS, model.HEAD_PARAMS)
 
@@ -51,7 +53,7 @@ class _StageModule(nn.Module):
     """What PipelineStage runs: the stage function over the stage's parameters, which are
     registered here (PipelineStage reads ``parameters()`` for weight gradients)."""
 
-    def __init__(self, fn: Any, params: list[torch.Tensor]) -> None:
+    def __init__(self, fn: Callable[..., torch.Tensor], params: list[torch.Tensor]) -> None:
         super().__init__()
         self.fn = fn
         self.stage_params = nn.ParameterList(params)
@@ -64,7 +66,8 @@ class PipelineStep:
     """Same interface as ``fxmega.training.step.TrainStep`` (``__call__`` returns params, optimizer
     state and metrics), plus ``eval_sum`` for validation."""
 
-    def __init__(self, par: Any, cfg: Any, model: Any, objective: Objective, params: dict, decay: list[bool],
+    def __init__(self, par: Parallel, cfg: ModelConfig, model: ModelFamily, objective: Objective, params: dict,
+                 decay: list[bool],
                  hyper: AdamWHyper,
                  clip_grad: float, n_micro: int, compile: bool, device: torch.device,
                  backend: str = "inductor", options: dict | None = None) -> None:
@@ -83,16 +86,16 @@ class PipelineStep:
             print(f"note: the {pipe.schedule} schedule splits each backward into input and weight gradients by "
                   f"walking the stage's autograd graph, which a compiled stage hides: its stages run eagerly; "
                   f"the update graph is compiled", flush=True)
-        self.pp_rank = par.coords["pp"]
+        self.pp_rank = par.groups.coords["pp"]
         self.my_stages = pipe.stages_of(self.pp_rank)
         self.has_first = any(s.index == 0 for s in self.my_stages)
         self.has_last = any(s.index == pipe.n_stages - 1 for s in self.my_stages)
         self._inv_tokens = torch.ones((), device=device)
-        pp_group = par.group(("pp",)).get_group()
+        pp_group = par.groups.group(("pp",)).get_group()
         stages = []
         for s in self.my_stages:
             sub = _stage_tree(params, s, model)
-            fn = self._stage_fn(s, _stage_tree(par.layout_tree, s, model), sub)
+            fn = self._stage_fn(s, _stage_tree(par.shards.layout_tree, s, model), sub)
             if self.compiled_stages:
                 fn = compiled(fn, backend, options)
             stages.append(pipelining.PipelineStage(_StageModule(fn, tree.leaves(sub)), s.index, pipe.n_stages,
@@ -103,13 +106,13 @@ class PipelineStep:
                             loss_fn=self._loss_fn, scale_grads=False)
         # parameters held by several pp ranks (the tied embedding on the first and last
         # stage): every pp rank joins one all-reduce of their gradients, zeros where absent
-        paths = [p for p, _ in tree.items(par.layout_tree)]
+        paths = [p for p, _ in tree.items(par.shards.layout_tree)]
         self._shared = [(p, paths.index(p) if p in paths else None) for p in plan.params
                         if len(plan.pp_owners(p)) > 1]
         self._shared_shapes = [plan.params[p].local_shape("opt") for p, _ in self._shared]
         counted = torch.tensor([1.0 if min(plan.pp_owners(p)) == self.pp_rank else 0.0 for p in paths], device=device)
-        self._norm_weights = par.norm_weights(device) * counted  # each element of the model once
-        self._loss_group = par.group(("pp", *par.data_axes))
+        self._norm_weights = par.grads.norm_weights(device) * counted  # each element of the model once
+        self._loss_group = par.groups.group(("pp", *par.groups.data_axes))
         self._update = compiled(self._update_fn, backend) if compile else self._update_fn
 
     # -- the stage function and the loss ----------------------------------------------
@@ -121,10 +124,10 @@ class PipelineStep:
 
         def run(flat: list[torch.Tensor], x: torch.Tensor, **given: torch.Tensor) -> torch.Tensor:
             params = tree.unflatten_like(like, flat)
-            with layout.activate(par if par.tp_mesh is not None else None):
+            with layout.activate(par.activations):
                 batch = {k: self._wrap(v, None) for k, v in given.items()}
                 x = self._wrap(x, None if stage.embed else RESIDUAL)  # the tokens, or the residual stream
-                x = run_pieces(self.model, params, lays, x, self.cfg, par._call, embed=stage.embed, head=stage.head,
+                x = run_pieces(self.model, params, lays, x, self.cfg, par.call, embed=stage.embed, head=stage.head,
                                inputs=embed_inputs(self.model, batch), valid=batch.get("attention_mask"),
                                compute=par.compute, head_inputs=[batch.get(k) for k in self._head_inputs])
                 return self._unwrap(x, self._output_axes if stage.head else RESIDUAL)
@@ -133,25 +136,22 @@ class PipelineStep:
 
     def _wrap(self, x: torch.Tensor, axes: tuple | None) -> torch.Tensor:
         """A tensor received from the previous stage (or the tokens) as the DTensor it was."""
-        if self.par.tp_mesh is None:
-            return x
-        placement = [Replicate()] if axes is None else self.par._tp_placement(axes)
-        return DTensor.from_local(x, self.par.tp_mesh, placement, run_check=False)
+        tp = self.par.activations
+        return x if tp is None else tp.wrap(x, axes)
 
     def _unwrap(self, x: torch.Tensor, axes: tuple) -> torch.Tensor:
-        if self.par.tp_mesh is None:
-            return x
-        return self.par.constrain(x, axes).to_local()
+        tp = self.par.activations
+        return x if tp is None else tp.constrain(x, axes).to_local()
 
     def _loss_fn(self, outputs: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """The objective's sum over a microbatch, divided by the global count (vocab-parallel
         under tp: the logits stay split). ``packed`` holds ``objective.batch_keys``."""
         par = self.par
         batch = {k: self._wrap(packed[:, i].to(dtype), None) for i, (k, dtype) in enumerate(self._target_keys)}
-        with layout.activate(par if par.tp_mesh is not None else None):
+        with layout.activate(par.activations):
             loss, _ = self._objective_now(self._wrap(outputs, self._output_axes), batch)
         if isinstance(loss, DTensor):
-            loss = loss.redistribute(par.tp_mesh, [Replicate()]).to_local()
+            loss = loss.redistribute(par.groups.tp_mesh, [Replicate()]).to_local()
         return loss * self._inv_tokens
 
     def stage_kwargs(self, micro: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -192,7 +192,7 @@ class PipelineStep:
             return grads
         pieces = [grads[i].reshape(-1) if i is not None else torch.zeros(shape, device=self.device).reshape(-1)
                   for (_, i), shape in zip(self._shared, self._shared_shapes)]
-        summed = funcol.all_reduce(torch.cat(pieces), "sum", self.par.group(("pp",)))
+        summed = funcol.all_reduce(torch.cat(pieces), "sum", self.par.groups.group(("pp",)))
         out, offset = list(grads), 0
         for (_, i), piece in zip(self._shared, pieces):
             if i is not None:

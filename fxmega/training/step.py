@@ -19,7 +19,6 @@ and returned.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch._dynamo
@@ -27,6 +26,7 @@ import torch._dynamo
 from fxmega.core import tree
 from fxmega.ops.objectives import global_count
 from fxmega.sharding.inspect import aot_eager_backend
+from fxmega.sharding.runtime import Parallel
 from fxmega.sharding.zero3 import backward_phase
 from fxmega.training.optim import AdamWHyper
 from fxmega.training.update import Update
@@ -72,7 +72,7 @@ class TrainStep:
     """
 
     def __init__(self, loss_sum_fn: LossSumFn, decay: list[bool], hyper: AdamWHyper, clip_grad: float,
-                 compile: bool = True, parallel: Any = None, backend: str = "inductor",
+                 compile: bool = True, parallel: Parallel | None = None, backend: str = "inductor",
                  options: dict | None = None) -> None:
         self.loss_sum_fn = loss_sum_fn
         self.update = Update(hyper, decay, clip_grad)
@@ -96,7 +96,7 @@ class TrainStep:
         with backward_phase():
             grads = list(torch.autograd.grad(loss_sum * inv_tokens, flat_params))
         if self.parallel is not None:
-            grads = self.parallel.micro_grads(grads)
+            grads = self.parallel.grads.micro_grads(grads)
         return loss_sum.detach(), grads
 
     def _accumulate_fn(self, flat_params: list[torch.Tensor], accum: list[torch.Tensor],
@@ -116,7 +116,7 @@ class TrainStep:
                 torch._foreach_add_(accum, grads)
                 grads = accum
             if par is not None:
-                loss_sum = par.sum_over_data(loss_sum)
+                loss_sum = par.groups.sum_over_data(loss_sum)
         return [loss_sum, *self.update(flat_params, grads, opt_state, lr, par, norm_weights, unscale)]
 
     # -- one optimizer step -----------------------------------------------------------
@@ -143,7 +143,7 @@ class TrainStep:
             unscale = torch.tensor(1.0 / loss_scale, dtype=torch.float32, device=device)
         lr_t = torch.tensor(lr, dtype=torch.float32, device=device)
         if self.parallel is not None and self._norm_weights is None:
-            self._norm_weights = self.parallel.norm_weights(device)
+            self._norm_weights = self.parallel.grads.norm_weights(device)
         loss_sum = torch.zeros((), device=device)
         accum = None
         if len(micro_batches) > 1:
@@ -151,7 +151,7 @@ class TrainStep:
             for batch in micro_batches[:-1]:
                 loss_sum = loss_sum + self._accumulate(flat, accum, batch, grad_weight)
         if self.parallel is not None and len(micro_batches) > 1:
-            loss_sum = self.parallel.sum_over_data(loss_sum)  # the update graph sums only its own
+            loss_sum = self.parallel.groups.sum_over_data(loss_sum)  # the update graph sums only its own
         last_loss, grad_norm, finite, bad = self._update(flat, opt_state, accum, micro_batches[-1], grad_weight,
                                                          lr_t, self._norm_weights, unscale)
         loss = (loss_sum + last_loss) * inv_tokens
@@ -160,7 +160,7 @@ class TrainStep:
     def _accumulation_buffers(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
         if self._accum_buffers is None:
             if self.parallel is not None:
-                shapes = [lay.local_shape("grad") for lay in self.parallel.layouts]
+                shapes = [lay.local_shape("grad") for lay in self.parallel.shards.layouts]
                 self._accum_buffers = [torch.zeros(s, device=p.device) for s, p in zip(shapes, flat)]
             else:
                 self._accum_buffers = [torch.zeros_like(p, requires_grad=False) for p in flat]

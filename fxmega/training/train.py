@@ -13,7 +13,6 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -31,6 +30,7 @@ from fxmega.models import family_name, loss_by_pieces, model_for
 from fxmega.ops import kernels, recompute
 from fxmega.ops.init import count_params, init_params
 from fxmega.ops.objectives import global_count
+from fxmega.sharding.runtime import Parallel
 from fxmega.storage import checkpoint, run_state
 from fxmega.training import faults, tracking
 from fxmega.training.evaluate import mean_loss, micro_sums, my_micro_batches, one_device_loss_sum
@@ -43,7 +43,7 @@ from fxmega.training.schedules import lr_at
 from fxmega.training.step import EvalStep, TrainStep, trainable
 
 
-def check_compute(cfg: RunConfig, parallel: Any, device: torch.device) -> None:
+def check_compute(cfg: RunConfig, parallel: Parallel | None, device: torch.device) -> None:
     """Refuse, before anything is built, the ``compute`` options this model and mesh cannot
     honour (no silent fallback)."""
     c = cfg.compute
@@ -55,8 +55,9 @@ def check_compute(cfg: RunConfig, parallel: Any, device: torch.device) -> None:
                           f"needs: set compute.loss_chunk=0")
     if not c.loss_chunk or parallel is None:
         return
-    if parallel.tp > 1:
-        raise ConfigError(f"compute.loss_chunk={c.loss_chunk} works on an unsplit vocabulary; with tp={parallel.tp} "
+    if parallel.groups.tp > 1:
+        raise ConfigError(f"compute.loss_chunk={c.loss_chunk} works on an unsplit vocabulary; with "
+                          f"tp={parallel.groups.tp} "
                           f"the logits are already split over the vocabulary (vocab-parallel cross-entropy): set "
                           f"compute.loss_chunk=0")
     if parallel.plan.pipeline is not None:
@@ -68,9 +69,9 @@ class Run:
     """A run's model, parameters, optimizer state, steps and data — on one device, or, with
     ``parallel`` (a ``fxmega.sharding.runtime.Parallel``), this rank's shards of them."""
 
-    def __init__(self, cfg: RunConfig, parallel: Any = None, device: torch.device | None = None) -> None:
+    def __init__(self, cfg: RunConfig, parallel: Parallel | None = None, device: torch.device | None = None) -> None:
         self.parallel = parallel
-        data_size = parallel.data_size if parallel is not None else 1
+        data_size = parallel.groups.data_size if parallel is not None else 1
         self.cfg = cfg.validate(data_size)
         t = cfg.train
         if t.deterministic:
@@ -91,8 +92,8 @@ class Run:
             self.opt_state = adamw_init(tree.leaves(self.params))
             loss_sum = one_device_loss_sum(self.specs, cfg.model, cfg.compute)
         else:
-            self.params = parallel.init_params(t.seed, self.device)
-            self.opt_state = parallel.init_opt_state(self.device)
+            self.params = parallel.shards.init_params(t.seed, self.device)
+            self.opt_state = parallel.shards.init_opt_state(self.device)
             loss_sum = parallel.loss_sum_fn(loss_by_pieces(cfg.model, parallel.compute))
         self.step = 0  # optimizer steps taken
         self.skipped_steps = 0  # of them, steps whose update was dropped (non-finite)
@@ -187,7 +188,7 @@ class Run:
         checking small models, not for 70B."""
         if self.parallel is None:
             return self.params
-        return self.parallel.full_params(self.params, self.specs)
+        return self.parallel.shards.full_params(self.params, self.specs)
 
     def save(self, root: str) -> str:
         """Save a checkpoint of this step under ``root`` (asynchronously with
@@ -238,12 +239,13 @@ class RunResult:
     run: Run | None = None
 
 
-def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: torch.device | None = None) -> RunResult:
+def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = None,
+          device: torch.device | None = None) -> RunResult:
     """Train ``cfg``; with ``parallel`` this process is one rank of a sharded run and only
     rank 0 prints and writes logs (the JSONL has the same fields as a single-device run)."""
     run = Run(cfg, parallel, device)
     main = parallel is None or parallel.rank == 0
-    world = 1 if parallel is None else parallel.spec.world_size
+    world = 1 if parallel is None else parallel.groups.mesh.world_size
     say = print if main else (lambda *a, **k: None)
     t = cfg.train
     if t.load_dir and not run.resume(t.load_dir, params_only=t.finetune):
@@ -252,7 +254,7 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
     peak = device_peak(run.device, run.compute_dtype, t.peak_flops)
     say(f"model: {family_name(cfg.model)}, {count_params(run.specs):,} parameters, {flops / 1e6:,.1f} MFLOPs/token; "
         f"device {run.device} x {world}; MFU against {peak.flops / 1e12:.3f} TFLOP/s per device ({peak.source})")
-    dp = 1 if parallel is None else parallel.data_size
+    dp = 1 if parallel is None else parallel.groups.data_size
     say(f"batch: {t.global_batch_size} x {t.seq_len} tokens = micro batch {t.micro_batch_size} x "
         f"{cfg.grad_accum_steps(dp)} accumulation steps x {dp} data-parallel ranks; {t.steps} steps; "
         f"compile={t.compile_backend if t.compile else 'off'}")
@@ -273,7 +275,8 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
     first_step = run.step
     spikes = faults.SpikeDetector(t.spike_z)
     rank = 0 if parallel is None else parallel.rank
-    beats = None if parallel is None else Heartbeat(rank, world, parallel.spec.coords, parallel.spec.names)
+    mesh = parallel.groups.mesh if parallel is not None else None
+    beats = None if mesh is None else Heartbeat(rank, world, mesh.coords, mesh.names)
     reset_peak(run.device)
     while run.step < t.steps:
         faults.maybe_stall(rank, run.step + 1)
@@ -283,7 +286,7 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Any = None, device: t
         try:
             if t.dump_kernels and run.step == first_step:  # the first step compiles: dump what it becomes
 
-                with dump_kernels(t.dump_kernels, rank, parallel.group_labels if parallel is not None else None):
+                with dump_kernels(t.dump_kernels, rank, parallel.groups.labels if parallel is not None else None):
                     m = run.do_step()
                 echo(f"wrote {t.dump_kernels}/rank{rank}/index.md: compiled graphs, generated code, kernels and "
                      f"collectives")

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from fxmega.sharding.runtime import Parallel
 from fxmega.training.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms
 
 Grads = list[torch.Tensor]
@@ -32,7 +32,8 @@ class Update:
     clip_grad: float
 
     def __call__(self, flat: list[torch.Tensor], grads: Grads, opt_state: dict, lr: torch.Tensor,
-                 parallel: Any = None, norm_weights: torch.Tensor | None = None, unscale: torch.Tensor | None = None,
+                 parallel: Parallel | None = None, norm_weights: torch.Tensor | None = None,
+                 unscale: torch.Tensor | None = None,
                  reduce_shared: Callable[[Grads], Grads] | None = None) -> list[torch.Tensor]:
         """Update ``flat`` (this rank's parameters) and ``opt_state`` in place from ``grads``
         (this rank's, not yet reduced). ``parallel``: the rank's ``Parallel`` (None on one
@@ -43,17 +44,17 @@ class Update:
         with torch.no_grad():
             targets = flat
             if parallel is not None:
-                grads = parallel.final_grads(grads)
-                targets = parallel.opt_views(flat)
+                grads = parallel.grads.final_grads(grads)
+                targets = parallel.grads.opt_views(flat)
             if reduce_shared is not None:
                 grads = reduce_shared(grads)
             if unscale is not None:  # fp16: the gradients of the scaled loss, back to true size
                 grads = torch._foreach_mul(grads, unscale)
             norms = per_tensor_norms(grads)
             grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights,
-                                             parallel.sum_over_world if parallel is not None else None, norms)
+                                             parallel.groups.sum_over_world if parallel is not None else None, norms)
             finite = torch.isfinite(grad_norm)  # not finite anywhere: the update is not applied
             adamw_update(targets, grads, opt_state, lr, self.hyper, self.decay, apply=finite.float())
             if parallel is not None:
-                parallel.refresh_params(flat, targets)
+                parallel.grads.refresh_params(flat, targets)
         return [grad_norm, finite, ~torch.isfinite(norms)]

@@ -1,0 +1,113 @@
+"""Gradient synchronisation over the data axes, inside the compiled step: which gradients
+go in which bucket of which collective, decided once in plain Python so that the traced
+code only walks lists.
+
+Per micro batch, gradients sharded beyond their parameters (ZeRO-2's dp) are
+reduce-scattered; after the last one, the rest is reduce-scattered onto the optimizer
+shards (ZeRO-1's dp) and all-reduced over the axes that hold replicas (plain data
+parallelism). After a ZeRO-1/2 update, the updated shards are all-gathered back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from fxmega.sharding import collectives
+from fxmega.sharding.groups import ProcessGroups
+from fxmega.sharding.plan import ParamLayout
+
+# one bucket's collective: (op, group, group size, tensor indices, the dims it splits)
+Bucket = tuple[str, DeviceMesh, int, list[int], list]
+
+
+class GradientSync:
+    """The bucketed collectives for ``layouts`` (this rank's parameters, in leaf order) over
+    ``groups``; ``bucket_numel`` elements per bucket (0: one tensor per bucket) and
+    reductions in ``reduce_dtype``."""
+
+    def __init__(self, groups: ProcessGroups, layouts: list[ParamLayout], bucket_numel: int = 0,
+                 reduce_dtype: torch.dtype = torch.float32) -> None:
+        self.groups, self.layouts = groups, layouts
+        self.bucket_numel, self.reduce_dtype = bucket_numel, reduce_dtype
+        extra = lambda lay, kind, base: tuple(a for a in lay.data_axes[kind] if a not in lay.data_axes[base])  # noqa
+        data_axes = groups.data_axes
+        self._micro = self._schedule([("reduce_scatter", extra(lay, "grad", "param")) for lay in layouts])
+        self._scatter = self._schedule([("reduce_scatter", extra(lay, "opt", "grad")) for lay in layouts])
+        self._replica = self._schedule(
+            [("all_reduce", tuple(a for a in data_axes if a not in lay.data_axes["opt"])) for lay in layouts])
+        self._refresh = self._schedule([("all_gather", extra(lay, "opt", "param")) for lay in layouts])
+        self._opt_slices = [self._opt_slice(lay) for lay in layouts]
+
+    def _schedule(self, ops: list[tuple[str, tuple[str, ...]]]) -> list[Bucket]:
+        """The buckets of per-tensor ops ``(op, axes)`` (no axes: nothing to do)."""
+        out = []
+        for op, axes in sorted({o for o in ops if o[1]}):
+            idx = [i for i, o in enumerate(ops) if o == (op, axes)]
+            numels = [self.layouts[i].local_numel("grad") for i in idx]
+            for bucket in collectives.buckets(numels, self.bucket_numel):
+                members = [idx[b] for b in bucket]
+                dims = [self.layouts[i].zero_dim for i in members]
+                out.append((op, self.groups.group(axes), self.groups.size(axes), members, dims))
+        return out
+
+    @staticmethod
+    def _run(schedule: list[Bucket], tensors: list[torch.Tensor],
+             reduce_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        out = list(tensors)
+        for op, group, world, members, dims in schedule:
+            chunk = [tensors[i] for i in members]
+            if op == "all_reduce":
+                results = collectives.all_reduce(chunk, group, reduce_dtype)
+            elif op == "reduce_scatter":
+                results = collectives.reduce_scatter(chunk, dims, world, group, reduce_dtype)
+            else:
+                results = collectives.all_gather(chunk, dims, world, group)
+            for i, r in zip(members, results):
+                out[i] = r
+        return out
+
+    def micro_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per micro batch: reduce-scatter where gradients are sharded beyond the parameters
+        (ZeRO-2's dp). What stays is accumulated locally."""
+        return self._run(self._micro, grads, self.reduce_dtype)
+
+    def final_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """After the last micro batch: reduce-scatter onto the optimizer shards (ZeRO-1's dp)
+        and all-reduce over the data axes that hold replicas (plain data parallelism)."""
+        reduce = self.reduce_dtype
+        return self._run(self._replica, self._run(self._scatter, grads, reduce), reduce)
+
+    def _opt_slice(self, lay: ParamLayout) -> tuple[int, int, int] | None:
+        extra = [a for a in lay.data_axes["opt"] if a not in lay.data_axes["param"]]
+        if not extra:
+            return None
+        split = self.groups.size(tuple(extra))
+        index = 0
+        for axis in extra:
+            index = index * self.groups.mesh.size(axis) + self.groups.coords[axis]
+        rows = lay.local_shape("param")[lay.zero_dim] // split
+        return lay.zero_dim, index * rows, rows
+
+    def opt_views(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The part of each local parameter this rank's optimizer shard updates (a view)."""
+        return [p if sl is None else p.narrow(*sl) for p, sl in zip(flat, self._opt_slices)]
+
+    def refresh_params(self, flat: list[torch.Tensor], views: list[torch.Tensor]) -> None:
+        """After a ZeRO-1/2 update: all-gather the updated shards back into every replica."""
+        full = self._run(self._refresh, views)
+        for _, _, _, members, _ in self._refresh:
+            for i in members:
+                flat[i].copy_(full[i])
+
+    def norm_weights(self, device: torch.device) -> torch.Tensor:
+        """1 where this rank's optimizer-layout gradient counts towards the global norm, 0
+        where another rank holds the same values (tp or data replicas): each element once."""
+        weights = []
+        coords = self.groups.coords
+        for lay in self.layouts:
+            replicated = [a for a in self.groups.data_axes if a not in lay.data_axes["opt"]]
+            if lay.tp_dim is None and self.groups.tp > 1:
+                replicated.append("tp")
+            weights.append(1.0 if all(coords[a] == 0 for a in replicated) else 0.0)
+        return torch.tensor(weights, device=device)

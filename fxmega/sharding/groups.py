@@ -1,0 +1,68 @@
+"""This rank's place on the mesh and the process groups over its axes.
+
+Groups are 1-D device meshes (several axes are flattened into one), made on first use and
+kept: a group must exist before a compiled step runs, since flattening a mesh does not
+trace. The data axes' group is made up front for that reason.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+
+from fxmega.sharding.mesh import DATA_AXES, PHYSICAL_ORDER, MeshSpec
+
+
+class ProcessGroups:
+    """The mesh (``mesh``: sizes by axis name; ``device_mesh``: torch's), this rank's
+    coordinates on it, and the groups over any set of its axes."""
+
+    def __init__(self, mesh: MeshSpec, device_mesh: DeviceMesh, rank: int) -> None:
+        self.mesh, self.device_mesh, self.rank = mesh, device_mesh, rank
+        self.coords = mesh.coords(rank)
+        self.tp = mesh.size("tp")
+        self.tp_mesh: DeviceMesh | None = device_mesh["tp"] if self.tp > 1 else None
+        self.data_axes = tuple(a for a in DATA_AXES if mesh.size(a) > 1)
+        self._groups: dict[tuple[str, ...], DeviceMesh] = {}
+        if self.data_axes:
+            self.group(self.data_axes)
+
+    def group(self, axes: tuple[str, ...]) -> DeviceMesh:
+        """The process group (as a 1-D mesh) spanning ``axes``."""
+        axes = tuple(a for a in PHYSICAL_ORDER if a in axes)
+        if axes not in self._groups:
+            sub = self.device_mesh[axes[0]] if len(axes) == 1 else self.device_mesh[axes]._flatten("_".join(axes))
+            self._groups[axes] = sub
+        return self._groups[axes]
+
+    def size(self, axes: tuple[str, ...]) -> int:
+        return math.prod([self.mesh.size(a) for a in axes])
+
+    def labels(self) -> dict[str, str]:
+        """Process-group name -> the mesh axes it spans (for reading recorded collectives)."""
+        labels = {dist.group.WORLD.group_name: "world"}
+        for axes, sub in self._groups.items():
+            labels[sub.get_group().group_name] = "+".join(axes)
+        if self.tp_mesh is not None:
+            labels[self.tp_mesh.get_group().group_name] = "tp"
+        return labels
+
+    @property
+    def data_rank(self) -> int:
+        return self.mesh.data_rank(self.rank)
+
+    @property
+    def data_size(self) -> int:
+        return self.mesh.data_size
+
+    def sum_over_world(self, x: torch.Tensor) -> torch.Tensor:
+        return funcol.all_reduce(x, "sum", dist.group.WORLD)
+
+    def sum_over_data(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.data_axes:
+            return x
+        return funcol.all_reduce(x, "sum", self.group(self.data_axes))
