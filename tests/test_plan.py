@@ -95,6 +95,8 @@ def test_vocab_padded_for_tp():
     (tiny(), "tp=2", Strategy({"heads": "tp", "head_dim": "tp"}, 0),
      r"the tp axis would split both dim 2 \(heads\) and dim 3 \(head_dim\)"),
     (tiny(), "tp=2", Strategy({"headz": "tp"}, 0), "rules name the logical axis 'headz'"),
+    # the batch is split over the data axes by construction: a rule for it would be ignored
+    (tiny(), "dp=2,tp=2", Strategy({"batch": "tp"}, 0), "rules map 'batch' to 'tp': the batch is always split"),
     (tiny(), "tp=2", Strategy({"heads": "tpp"}, 0), "names the mesh axis 'tpp', which does not exist"),
     (tiny(), "fsdp=3", preset("fsdp"),
      r"embed.tokens: dim 1 \(embed\) has size 64, which the data axes fsdp \(size 3\) do not divide"),
@@ -117,7 +119,7 @@ def test_strategy_from_config():
     with pytest.raises(ConfigError, match="unknown sharding preset 'megatronn'"):
         strategy_from(ParallelConfig(rules="megatronn"))
     # rules written by hand in a config file: 2-D FSDP x TP
-    mine = strategy_from(ParallelConfig(rules={"batch": ("dp", "fsdp"), "embed": "fsdp", "mlp": "tp", "heads": "tp"}))
+    mine = strategy_from(ParallelConfig(rules={"embed": "fsdp", "mlp": "tp", "heads": "tp"}))
     plan = make_plan(tiny(), parse_mesh("fsdp=2,tp=2"), mine)
     w_in = plan.params["blocks.0.mlp.w_in"]
     assert w_in.placement_names("param", plan.mesh) == ["S(0)", "S(1)"] and w_in.local_shape() == (32, 128)

@@ -134,6 +134,10 @@ def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy, pipeline: Pi
     leaves = list(tree.items(specs))
     known = {a for _, s in leaves for a in s.axes} | set(LOGICAL_AXES)
     for name, rule in rules.items():
+        if name == "batch":
+            raise ConfigError(f"rules map 'batch' to {rule!r}: the batch is always split over the mesh's data axes "
+                              f"(dp, fsdp; each data rank reads its own micro batches) and over nothing else, so it "
+                              f"has no rule: remove 'batch' from the rules")
         if name not in known:
             raise ConfigError(f"rules name the logical axis {name!r}, which no parameter or activation has; "
                               f"known names: {', '.join(sorted(known))}")

@@ -9,6 +9,10 @@ Logical names used by fxmega's models:
   activations  batch, seq (the residual stream's sequence), embed, heads, kv_heads,
                head_dim, mlp, vocab; inside a block the sequence is ``None`` (whole)
 
+The batch is split over the mesh's data axes (dp, fsdp) by construction, and over nothing
+else: each data rank reads its own micro batches (dp-major over dp x fsdp). It has no rule,
+and a rule naming ``batch`` is refused rather than printed and ignored.
+
 A strategy also has a ZeRO stage (``--zero``): how much state is sharded over the ``dp``
 axis along each parameter's ``embed`` dim — 1: optimizer state, 2: + gradients, 3: +
 parameters. The ``fsdp`` axis shards what the rules say (``"embed": "fsdp"``).
@@ -16,7 +20,7 @@ parameters. The ``fsdp`` axis shards what the rules say (``"embed": "fsdp"``).
 Write your own by copying one of these:
 
     rules = {**MEGATRON, "seq": "tp"}            # Megatron with sequence parallelism
-    rules = {"batch": ("dp", "fsdp"), "embed": "fsdp", "mlp": "tp", "heads": "tp",
+    rules = {"embed": "fsdp", "mlp": "tp", "heads": "tp",
              "kv_heads": "tp", "vocab": "tp"}    # 2-D: FSDP over fsdp, TP over tp
 """
 
@@ -36,7 +40,6 @@ LOGICAL_AXES = ("batch", "seq", "embed", "vocab", "position", "heads", "kv_heads
 # row-parallel attention-out and MLP-out (their *input* dim is split, so the output is a
 # partial sum that the next `shard` reduces), vocab-parallel embedding and cross-entropy.
 MEGATRON: Rules = {
-    "batch": ("dp", "fsdp"),
     "vocab": "tp",
     "heads": "tp",
     "kv_heads": "tp",
