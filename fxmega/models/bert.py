@@ -141,8 +141,7 @@ def _bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              valid: torch.Tensor | None = None) -> torch.Tensor:
     # Runs on local shards: batch and heads may be split, seq and head_dim are whole.
     mask = None if valid is None else key_mask(valid)
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    return out.transpose(1, 2)
+    return layers.sdpa(q, k, v, attn_mask=mask)
 
 
 def bidirectional_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from einops import rearrange
 
 from fxmega.ops import kernels
 from fxmega.sharding.layout import active, local, shard
@@ -99,6 +100,14 @@ def padded_causal_mask(valid: torch.Tensor) -> torch.Tensor:
     return allowed | torch.eye(seq, dtype=torch.bool, device=valid.device)
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` on the ``[batch, seq, heads, head_dim]`` layout that
+    every other op keeps: heads go before the sequence for the kernel, and back after."""
+    out = F.scaled_dot_product_attention(*(rearrange(t, "batch seq heads dim -> batch heads seq dim")
+                                           for t in (q, k, v)), **options)
+    return rearrange(out, "batch heads seq dim -> batch seq heads dim")
+
+
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope_theta: float | None,
                       valid: torch.Tensor | None = None) -> torch.Tensor:
     # Runs on local shards: batch and heads may be split, seq and head_dim are whole.
@@ -108,11 +117,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope_th
     # without padding: is_causal, which the flash kernels take; with it, an explicit mask
     # (the memory-efficient kernels take that on GPUs)
     mask = None if valid is None else padded_causal_mask(valid)
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-        is_causal=mask is None, enable_gqa=k.shape[2] != q.shape[2],
-    )
-    return out.transpose(1, 2)
+    return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[2] != q.shape[2])
 
 
 # Inside attention the sequence is whole (None): batch and heads may be split.
@@ -226,11 +231,7 @@ def cache_write(start: int, new: int, max_len: int, pad: torch.Tensor, head_dim:
 def _attend_over_cache(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
     # Runs on local shards: batch and heads may be split, the cache's slots and head_dim are whole.
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), cache_k.to(q.dtype).transpose(1, 2), cache_v.to(q.dtype).transpose(1, 2),
-        attn_mask=mask, enable_gqa=cache_k.shape[2] != q.shape[2],
-    )
-    return out.transpose(1, 2)
+    return sdpa(q, cache_k.to(q.dtype), cache_v.to(q.dtype), attn_mask=mask, enable_gqa=cache_k.shape[2] != q.shape[2])
 
 
 # The CacheWrite's tables, by logical name. Under a sharding plan they are plain tensors (built

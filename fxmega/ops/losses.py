@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from einops import rearrange
 from torch.distributed.tensor import DTensor
 
 from fxmega.core.errors import ConfigError
@@ -84,6 +85,7 @@ def chunked_cross_entropy_sum(h: torch.Tensor, w: torch.Tensor, targets: torch.T
         raise ConfigError(
             "compute.loss_chunk works on an unsplit vocabulary; with tensor parallelism the logits are already "
             "split over the vocabulary (vocab-parallel cross-entropy): set compute.loss_chunk=0")
-    mask = None if loss_mask is None else loss_mask.reshape(-1).to(torch.float32)
-    return _ChunkedLinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), w, targets.reshape(-1), mask,
-                                            vocab_size, chunk)
+    tokens = "... -> (...)"  # every token in one row, whatever the leading (batch, seq) dims
+    mask = None if loss_mask is None else rearrange(loss_mask, tokens).to(torch.float32)
+    return _ChunkedLinearCrossEntropy.apply(rearrange(h, "... embed -> (...) embed"), w, rearrange(targets, tokens),
+                                            mask, vocab_size, chunk)
