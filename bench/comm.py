@@ -71,7 +71,7 @@ def worker() -> None:
     from fxmega.sharding import distributed
     from fxmega.sharding.inspect import record_collectives
     from fxmega.sharding.mesh import MeshSpec
-    from fxmega.training.train import Run
+    from fxmega.training.run import Run
     from tests.sharding_workers import STRATEGIES
 
     rows = []

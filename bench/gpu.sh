@@ -16,7 +16,7 @@ python3 - <<'PY' 2>&1 | tee "$out/parity.txt"
 import torch
 from torch._dynamo.utils import counters
 from fxmega.config import load, override
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 for name in ("configs/tiny_gpt.py", "configs/tiny_llama.py"):
     cfg = override(load(name), ["train.device=cuda", "train.steps=10"])
     losses = {}
@@ -41,7 +41,7 @@ echo "== mixed precision and kernels on CUDA: bf16/fp16 track fp32, triton kerne
 python3 - <<'PY' 2>&1 | tee "$out/precision_kernels.txt"
 import torch
 from fxmega.config import load, override
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 for name in ("configs/tiny_gpt.py", "configs/tiny_llama.py"):
     base = override(load(name), ["train.device=cuda", "train.steps=20"])
     runs = {}

@@ -55,7 +55,7 @@ def compute_worker(kind: str, precision: str, recompute: str, d: int, layers: in
     if kind == "fxmega":
         from fxmega.config import ComputeConfig, DataConfig, OptimConfig, RunConfig, TrainConfig
         from fxmega.models import gpt
-        from fxmega.training.train import Run
+        from fxmega.training.run import Run
 
         cfg = RunConfig(model=gpt.Config(vocab_size=256, max_seq_len=seq, d_model=d, n_layers=layers, n_heads=8),
                         train=TrainConfig(steps=10**6, micro_batch_size=batch, global_batch_size=batch, seq_len=seq,

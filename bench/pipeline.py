@@ -65,7 +65,7 @@ def worker(args) -> None:
 
     from fxmega.sharding import distributed
     from fxmega.sharding.mesh import MeshSpec
-    from fxmega.training.train import Run
+    from fxmega.training.run import Run
 
     torch.set_num_threads(1)
     p = args.pp
@@ -96,7 +96,7 @@ def worker(args) -> None:
 def single(args, m: int) -> None:
     import torch
 
-    from fxmega.training.train import Run
+    from fxmega.training.run import Run
 
     torch.set_num_threads(1)
     cfg = _config(args, "1", "1f1b", 1, m)

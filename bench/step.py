@@ -30,7 +30,7 @@ from fxmega.config import ComputeConfig, DataConfig, OptimConfig, RunConfig, Tra
 from fxmega.core.precision import compute_dtype  # noqa: E402
 from fxmega.models import gpt  # noqa: E402
 from fxmega.training.metrics import device_peak, model_flops_per_token  # noqa: E402
-from fxmega.training.train import Run  # noqa: E402
+from fxmega.training.run import Run  # noqa: E402
 
 
 def interleaved(step_fns: dict, steps: int, warmup: int, rounds: int, sync) -> dict[str, list[float]]:

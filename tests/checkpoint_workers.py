@@ -9,7 +9,7 @@ import torch
 from fxmega.config import ParallelConfig
 from fxmega.sharding import distributed
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.pipeline_workers import FOUR_BLOCKS
 from tests.sharding_workers import tiny_config
 

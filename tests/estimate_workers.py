@@ -35,7 +35,7 @@ def _nbytes(ts) -> int:
 def state_bytes(sets: list[str]) -> dict:
     """Bytes this rank's parameters, AdamW moments and gradient-accumulation buffers hold
     after one eager step, and the prediction for this rank."""
-    from fxmega.training.train import Run
+    from fxmega.training.run import Run
 
     cfg = config(["train.compile=false", *sets])
     par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
@@ -55,8 +55,8 @@ def step_peak(sets: list[str]) -> dict:
     (the second call: the first compiles), and the predicted activations + transient."""
     from fxmega.core.memory import current_bytes, peak_bytes, reset_peak
     from fxmega.ops.recompute import inductor_options
+    from fxmega.training.run import Run
     from fxmega.training.step import compiled, enable_autograd_in_compile
-    from fxmega.training.train import Run
 
     torch.set_num_threads(1)
     cfg = config(["train.compile=false", *sets])
@@ -108,7 +108,7 @@ def pipeline_step_peak(sets: list[str]) -> dict:
     """The peak a whole pipelined step (compiled stages, torch.distributed.pipelining's
     schedule, the update) adds above the resident set before it, and the prediction."""
     from fxmega.core.memory import current_bytes, peak_bytes, reset_peak
-    from fxmega.training.train import Run
+    from fxmega.training.run import Run
 
     torch.set_num_threads(1)
     cfg = config(["train.compile=true", *sets])

@@ -11,7 +11,7 @@ from fxmega.config import ParallelConfig
 from fxmega.core import tree
 from fxmega.sharding import distributed
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.sharding_workers import BUCKET, tiny_config
 
 # tiny models with 4 blocks, so that 2 ranks x 2 virtual stages each get one

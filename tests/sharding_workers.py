@@ -13,7 +13,7 @@ from fxmega.core.memory import current_bytes, peak_bytes, reset_peak
 from fxmega.sharding import distributed
 from fxmega.sharding.inspect import record_collectives
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.multirank import ROOT
 
 # name -> parallel config; every one runs on 2 ranks

@@ -6,7 +6,7 @@ import torch
 
 from fxmega.cli import main
 from fxmega.config import load, override
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.multirank import ROOT, run_ranks
 from tests.sharding_workers import bert_config
 from tests.tolerance import assert_losses_match, run_rtol

@@ -21,7 +21,7 @@ from fxmega.core import tree
 from fxmega.core.errors import CheckpointError
 from fxmega.storage import checkpoint
 from fxmega.storage.checkpoint_files import MANIFEST, digests, write_manifest
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.checkpoint_workers import config
 from tests.conftest import ROOT
 from tests.multirank import run_ranks

@@ -11,7 +11,7 @@ import pytest
 
 from fxmega.cli import main
 from fxmega.config import load, override
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.conftest import ROOT
 from tests.tolerance import run_rtol
 

@@ -100,7 +100,7 @@ def test_nonfinite_step_is_skipped_inside_the_compiled_step(monkeypatch):
     from torch._dynamo.utils import counters
 
     from fxmega.core import tree
-    from fxmega.training.train import Run
+    from fxmega.training.run import Run
 
     monkeypatch.setenv("FXMEGA_TEST_NAN_AT_STEP", "3")
     run = Run(_tiny("train.nonfinite=skip"))

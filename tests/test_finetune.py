@@ -197,7 +197,7 @@ def test_save_then_load_continues_exactly(task, tmp_path):
 
 
 def test_load_language_model_checkpoint(task, tmp_path):
-    from fxmega.training.train import Run
+    from fxmega.training.run import Run
 
     run = Run(_cfg("tiny_llama"))
     run.save(str(tmp_path / "lm"))

@@ -21,7 +21,7 @@ from fxmega.models import model_for
 from fxmega.ops.init import init_params
 from fxmega.sharding import distributed
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.multirank import ROOT, run_ranks
 
 PROMPTS = [[5, 17, 99, 3, 42, 42, 7, 200, 11], [65], [1, 2, 3, 4]]

@@ -14,7 +14,7 @@ import pytest
 from fxmega.cli import main
 from fxmega.config import load, override
 from fxmega.inference.generate import generate_cached
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.conftest import ROOT
 
 

@@ -18,7 +18,7 @@ from fxmega.data.corpus import ensure_shakespeare
 from fxmega.data.gpt_dataset import GPTDataset, build_sample_index, parse_split, split_bounds
 from fxmega.data.indexed import IndexedDataset, IndexedDatasetWriter
 from fxmega.data.preprocess import preprocess
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.conftest import ROOT
 
 

@@ -12,7 +12,7 @@ import torch
 
 from fxmega.config import ParallelConfig, load, override
 from fxmega.core.kernel_dump import NO_KERNELS, dump_kernels, parse_output_code
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.conftest import ROOT
 from tests.multirank import run_ranks
 

@@ -265,7 +265,7 @@ def check_without_triton():
 
 def _train(model: str, kernels: str) -> tuple[list[float], list[float], object]:
     from fxmega.config import load, override
-    from fxmega.training.train import Run
+    from fxmega.training.run import Run
 
     torch._dynamo.reset()
     # the chunked loss runs the cross-entropy kernel; LayerNorm (GPT) or RMSNorm (Llama) the norms
@@ -301,7 +301,7 @@ def check_step_tiny_llama():
 def check_run_refuses():
     from fxmega.config import load, override
     from fxmega.core.errors import ConfigError
-    from fxmega.training.train import Run
+    from fxmega.training.run import Run
 
     cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), ["train.device=cpu", "compute.kernels=triton"])
     try:

@@ -29,7 +29,7 @@ LAYERS = {
     "inference": "inference inference.model_loader inference.generate inference.generate_parallel",
     "training": "training training.optim training.update training.schedules training.metrics training.step "
                 "training.pipeline_step training.evaluate training.faults training.heartbeat training.logs "
-                "training.tracking training.train training.finetune",
+                "training.tracking training.state training.outcome training.run training.train training.finetune",
     "serving": "inference.serve inference.serve_mesh inference.generation_cli",
     "planning": "planning planning.fake planning.report planning.auto planning.summary",
     "command line": "cli",

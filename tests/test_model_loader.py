@@ -10,7 +10,7 @@ from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.inference.model_loader import init_model, load_model
 from fxmega.ops.init import init_params
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.conftest import ROOT
 
 FACTORIES = {"empty", "empty_strided", "zeros", "ones", "full", "rand", "randn", "normal", "zeros_like", "empty_like",

@@ -12,7 +12,7 @@ from fxmega.cli import main
 from fxmega.config import load, override
 from fxmega.core import tree
 from fxmega.core.errors import CheckpointError
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.conftest import ROOT
 
 ocp = pytest.importorskip("orbax.checkpoint")

@@ -17,7 +17,7 @@ from fxmega.core.errors import ConfigError
 from fxmega.models import gpt
 from fxmega.sharding.pipeline import balanced_counts, check_microbatches, make_pipeline, parse_layout
 from fxmega.sharding.strategy import plan_from
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.conftest import ROOT
 from tests.multirank import run_ranks
 from tests.pipeline_workers import FOUR_BLOCKS, masked_run

@@ -13,7 +13,7 @@ from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.core.precision import LossScaler
 from fxmega.ops import layers, losses
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.multirank import ROOT, run_ranks
 from tests.tolerance import assert_within_rounding, forward_lengths
 

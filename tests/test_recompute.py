@@ -18,8 +18,8 @@ sys.path.insert(0, str(ROOT))
 from fxmega.config import load, override  # noqa: E402
 from fxmega.core import tree  # noqa: E402
 from fxmega.ops import recompute  # noqa: E402
+from fxmega.training.run import Run  # noqa: E402
 from fxmega.training.step import compiled, enable_autograd_in_compile  # noqa: E402
-from fxmega.training.train import Run  # noqa: E402
 from tests.tolerance import assert_within_rounding, run_lengths  # noqa: E402
 
 MODES = ("none", "selective", "full")

@@ -20,7 +20,7 @@ from fxmega.ops import layers, objectives
 from fxmega.sharding import distributed
 from fxmega.sharding.layout import shard
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.multirank import run_ranks
 from tests.tolerance import assert_runs_match
 

@@ -13,7 +13,7 @@ import torch
 
 from fxmega.core import tree
 from fxmega.sharding.collectives import buckets
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.multirank import run_ranks
 from tests.sharding_workers import BUCKET, MEMORY_ENV, STRATEGIES, tiny_config
 from tests.tolerance import assert_losses_match, assert_within_rounding

@@ -5,7 +5,7 @@ import pytest
 from torch._dynamo.utils import counters
 
 from fxmega.config import override
-from fxmega.training.train import Run
+from fxmega.training.run import Run
 from tests.tolerance import assert_runs_match
 
 

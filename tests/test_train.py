@@ -11,7 +11,8 @@ from fxmega.config import override
 from fxmega.core import tree
 from fxmega.data.corpus import ensure_shakespeare
 from fxmega.storage import checkpoint
-from fxmega.training.train import Run, train
+from fxmega.training.run import Run
+from fxmega.training.train import train
 from tests.conftest import ROOT
 
 

@@ -156,7 +156,7 @@ def dump_kernels(directory: str | Path, rank: int = 0,
                  ) -> Iterator[list[GraphDump]]:
     """Dump every graph compiled inside the block under ``directory/rank{rank}/``; the
     indexes are written on exit, when ``group_labels`` (process-group name -> mesh axes, or
-    a function returning it, e.g. ``Parallel.group_labels``: groups are made lazily) is
+    a function returning it, e.g. ``ProcessGroups.labels``: groups are made lazily) is
     read. Yields the list of ``GraphDump`` it fills."""
     import torch._inductor.debug as inductor_debug
     from torch._inductor.graph import GraphLowering

@@ -12,8 +12,6 @@ import os
 import signal
 import sys
 
-from fxmega.core import tree
-
 
 def maybe_kill(rank: int, step: int) -> None:
     spec = os.environ.get("FXMEGA_TEST_KILL_AT_STEP", "")
@@ -53,18 +51,6 @@ class SpikeDetector:
                 out = (loss - mean) / std
         self.history = (self.history + [loss])[-self.window:]
         return out
-
-
-def nonfinite_report(run, metrics: dict, step: int) -> dict:
-    """What a non-finite step looked like on this rank: which local gradients went bad."""
-    import torch
-
-
-    bad = metrics["nonfinite_grads"].tolist()
-    paths = [p for p, b in zip(tree.paths(run.local_specs), bad) if b]
-    rank = 0 if run.parallel is None else run.parallel.rank
-    return {"step": step, "rank": rank, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-            "nonfinite_gradients": paths, "torch": torch.__version__}
 
 
 def maybe_stall(rank: int, step: int) -> None:

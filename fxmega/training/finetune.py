@@ -24,7 +24,7 @@ import torch
 from fxmega.config import RunConfig, to_dict
 from fxmega.core import tree
 from fxmega.core.device import pick_device, set_deterministic
-from fxmega.core.errors import CheckpointError, ConfigError, DataError, NonFiniteError
+from fxmega.core.errors import CheckpointError, ConfigError, DataError
 from fxmega.data.batches import micro_batches
 from fxmega.data.classification import load_classification
 from fxmega.data.mlm import specials_for
@@ -40,8 +40,10 @@ from fxmega.storage import checkpoint, run_state
 from fxmega.storage.hf_bert import load_hf_dir
 from fxmega.training.evaluate import one_device_loss_sum
 from fxmega.training.optim import AdamWHyper, adamw_init, decay_mask
+from fxmega.training.outcome import settle
 from fxmega.training.pipeline_step import PipelineStep
 from fxmega.training.schedules import lr_at
+from fxmega.training.state import TrainState
 from fxmega.training.step import TrainStep, compiled, trainable
 
 Batch = dict[str, torch.Tensor]
@@ -193,12 +195,14 @@ def finetune(cfg: RunConfig, data_path: str | Path, valid_path: str | Path | Non
         if pipelined:
             both = sum(step_fn.eval_sum(mine(g), eval_objective) for g in eval_batches_of(batches, t.global_batch_size))
         else:
-            both = sum(evaluate(tree.leaves(params), {k: v.to(device) for k, v in b.items()}) for b in batches)
+            both = sum(evaluate(tree.leaves(state.params), {k: v.to(device) for k, v in b.items()}) for b in batches)
         return float(both[0]) / count, float(both[1]) / count
 
     losses: list[float] = []
     grad_norms: list[float] = []
     history: dict[int, tuple[float, float]] = {}
+    state = TrainState(params, opt_state)
+    local_paths = tree.paths(specs if par is None else par.specs)
     for step in range(1, t.steps + 1):
         batch = data.train.global_batch(step - 1, t.global_batch_size)
         log_line = step % t.log_interval == 0 or step == t.steps
@@ -206,23 +210,22 @@ def finetune(cfg: RunConfig, data_path: str | Path, valid_path: str | Path | Non
         train_acc = sums([{**b, "loss_mask": torch.ones(len(b["targets"]))}
                           for b in micro_batches(batch, t.micro_batch_size)])[1] if log_line else 0.0
         lr = lr_at(step - 1, o, t.steps)
-        params, opt_state, m = step_fn(params, opt_state, mine(batch), lr, global_count([batch]))
-        losses.append(float(m["loss"]))
-        grad_norms.append(float(m["grad_norm"]))
-        if not bool(m["finite"]):
-            if t.nonfinite == "stop":
-                raise NonFiniteError(f"step {step}: non-finite loss or gradient (loss {losses[-1]}); the update was "
-                                     f"not applied. Lower the learning rate (optim.lr={o.lr}), or set "
-                                     f"train.nonfinite=skip to drop such steps")
-            say(f"warning: step {step}: non-finite loss or gradient; the update was skipped")
+        state.params, state.opt_state, m = step_fn(state.params, state.opt_state, mine(batch), lr,
+                                                   global_count([batch]))
+        state.step = step
+        out = settle(state, m, lr, None, policy=t.nonfinite, diagnostics_dir=t.diagnostics_dir,
+                     local_paths=local_paths, rank=0 if par is None else par.rank, say=say)
+        losses.append(out["loss"])
+        grad_norms.append(out["grad_norm"])
         if log_line:
             recent = losses[-t.log_interval:]
             say(f"step {step:>6} | loss {sum(recent) / len(recent):.4f} | batch accuracy {train_acc:.3f} | "
-                f"lr {lr:.3e} | grad norm {float(m['grad_norm']):.3f}")
+                f"lr {lr:.3e} | grad norm {out['grad_norm']:.3f}")
         if (t.eval_interval and step % t.eval_interval == 0) or step == t.steps:
             history[step] = sums(data.valid.eval_batches(t.micro_batch_size))
             say(f"step {step}: validation loss {history[step][0]:.4f} | accuracy {history[step][1]:.3f} "
                 f"({len(data.valid)} examples)")
+    params = state.params
     if par is not None:  # the full tensors on every rank, without tp padding
         shapes = {path: s.shape for path, s in tree.items(specs)}
         params = tree.map_with_path(lambda path, f: f[tuple(slice(0, n) for n in shapes[path])],

@@ -1,233 +1,29 @@
-"""The training loop on one device: data → step → metrics → eval → checkpoint → sample.
+"""The training loop: data → step → metrics → eval → checkpoint → sample, around a ``Run``
+(``fxmega.training.run``), with the progress bar, logs, heartbeats and fault seams.
 
 Everything that is computed lives elsewhere (model, step, optimizer, data); this file wires
-them together. ``Run`` holds a run's state and does one step at a time (tests and
-benchmarks drive it directly); ``train`` adds the progress bar, logs, evaluation,
-checkpoints and the closing sample.
+them together.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from fxmega.config import RunConfig, to_dict
-from fxmega.core import precision, tree
-from fxmega.core.device import pick_device, set_deterministic
-from fxmega.core.errors import ConfigError, NonFiniteError
 from fxmega.core.kernel_dump import dump_kernels
 from fxmega.core.memory import peak_bytes, reset_peak
-from fxmega.data.sources import build_data
-from fxmega.inference.generate import sample_text
-from fxmega.inference.generate_parallel import generate_on_mesh
-from fxmega.models import family_name, loss_by_pieces, model_for
-from fxmega.ops import kernels, recompute
-from fxmega.ops.init import count_params, init_params
-from fxmega.ops.objectives import global_count
+from fxmega.models import family_name
+from fxmega.ops.init import count_params
 from fxmega.sharding.runtime import Parallel
-from fxmega.storage import checkpoint, run_state
 from fxmega.training import faults, tracking
-from fxmega.training.evaluate import mean_loss, micro_sums, my_micro_batches, one_device_loss_sum
 from fxmega.training.heartbeat import Heartbeat
 from fxmega.training.logs import RunLog
 from fxmega.training.metrics import Throughput, device_peak, model_flops_per_token
-from fxmega.training.optim import AdamWHyper, adamw_init, decay_mask
-from fxmega.training.pipeline_step import PipelineStep
-from fxmega.training.schedules import lr_at
-from fxmega.training.step import EvalStep, TrainStep, trainable
-
-
-def check_compute(cfg: RunConfig, parallel: Parallel | None, device: torch.device) -> None:
-    """Refuse, before anything is built, the ``compute`` options this model and mesh cannot
-    honour (no silent fallback)."""
-    c = cfg.compute
-    kernels.check_available(c.kernels, device)
-    model = model_for(cfg.model)
-    if c.loss_chunk and not (hasattr(model, "final_hidden") and hasattr(model, "output_weight")):
-        raise ConfigError(f"compute.loss_chunk={c.loss_chunk}: the {family_name(cfg.model)} head is not a final norm "
-                          f"and one output projection (final_hidden, output_weight), which the chunked loss "
-                          f"needs: set compute.loss_chunk=0")
-    if not c.loss_chunk or parallel is None:
-        return
-    if parallel.groups.tp > 1:
-        raise ConfigError(f"compute.loss_chunk={c.loss_chunk} works on an unsplit vocabulary; with "
-                          f"tp={parallel.groups.tp} "
-                          f"the logits are already split over the vocabulary (vocab-parallel cross-entropy): set "
-                          f"compute.loss_chunk=0")
-    if parallel.plan.pipeline is not None:
-        raise ConfigError("compute.loss_chunk is not supported with pipeline parallelism yet (the last stage "
-                          "computes the loss from whole logits): set compute.loss_chunk=0")
-
-
-class Run:
-    """A run's model, parameters, optimizer state, steps and data — on one device, or, with
-    ``parallel`` (a ``fxmega.sharding.runtime.Parallel``), this rank's shards of them."""
-
-    def __init__(self, cfg: RunConfig, parallel: Parallel | None = None, device: torch.device | None = None) -> None:
-        self.parallel = parallel
-        data_size = parallel.groups.data_size if parallel is not None else 1
-        self.cfg = cfg.validate(data_size)
-        t = cfg.train
-        if t.deterministic:
-            set_deterministic()
-        self.device = device or pick_device(t.device)
-        check_compute(cfg, parallel, self.device)
-        self.compute_dtype = precision.compute_dtype(cfg.compute.precision)
-        self.scaler = precision.scaler_for(cfg.compute)  # fp16 only
-        self.model = model_for(cfg.model)
-        self.specs = self.model.param_specs(cfg.model)
-        # the parameters this process holds: all of them, or its pipeline stages' (global paths)
-        self.local_specs = self.specs if parallel is None else parallel.specs
-        self.pipelined = parallel is not None and parallel.plan.pipeline is not None
-        hyper = AdamWHyper(cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay)
-        decay = decay_mask(self.local_specs, cfg.optim.decay_embeddings)
-        if parallel is None:
-            self.params = trainable(init_params(self.specs, t.seed, self.device))
-            self.opt_state = adamw_init(tree.leaves(self.params))
-            loss_sum = one_device_loss_sum(self.specs, cfg.model, cfg.compute)
-        else:
-            self.params = parallel.shards.init_params(t.seed, self.device)
-            self.opt_state = parallel.shards.init_opt_state(self.device)
-            loss_sum = parallel.loss_sum_fn(loss_by_pieces(cfg.model, parallel.compute))
-        self.step = 0  # optimizer steps taken
-        self.skipped_steps = 0  # of them, steps whose update was dropped (non-finite)
-        self._checkpointer: checkpoint.Checkpointer | None = None
-        zero3_regather = parallel is not None and parallel.gathers_params and parallel.regather
-        options = recompute.inductor_options(cfg.compute.recompute != "none" or zero3_regather)
-        if self.pipelined:
-
-            # PipelineStage registers the stage's parameters as nn.Parameters (same storage)
-            self.params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), self.params)
-            self.train_step = PipelineStep(parallel, cfg.model, self.model, self.model.objective(cfg.model),
-                                           self.params, decay, hyper,
-                                           cfg.optim.clip_grad, cfg.grad_accum_steps(data_size), t.compile,
-                                           self.device, backend=t.compile_backend, options=options)
-            self.eval_step = None
-        else:
-            self.loss_sum = loss_sum  # (flat params, batch) -> summed loss: what the steps differentiate
-            self.train_step = TrainStep(loss_sum, decay, hyper, cfg.optim.clip_grad, compile=t.compile,
-                                        parallel=parallel, backend=t.compile_backend, options=options)
-            self.eval_step = EvalStep(loss_sum, compile=t.compile, backend=t.compile_backend)
-        self.data = build_data(cfg, self.model.objective(cfg.model).name)
-        self.train_data, self.valid_data, self.tokenizer = self.data.train, self.data.valid, self.data.tokenizer
-
-    def _my_micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        return my_micro_batches(batch, self.cfg.train.micro_batch_size, self.parallel, self.device)
-
-    def do_step(self) -> dict[str, float]:
-        """One optimizer step on the next global batch; returns loss, lr and grad norm."""
-        t = self.cfg.train
-        batch = self.train_data.global_batch(self.step, t.global_batch_size)
-        n_tokens = global_count([batch])  # of the whole global batch, whatever this rank's share
-        n_tokens = faults.maybe_poison(self.step + 1, n_tokens)
-        lr = lr_at(self.step, self.cfg.optim, t.steps)
-        scale = self.scaler.scale if self.scaler is not None else None
-        with kernels.use(self.cfg.compute.kernels):
-            self.params, self.opt_state, metrics = self.train_step(self.params, self.opt_state,
-                                                                   self._my_micro_batches(batch), lr, n_tokens,
-                                                                   loss_scale=scale)
-        self.step += 1
-        out = {"loss": float(metrics["loss"]), "lr": lr, "grad_norm": float(metrics["grad_norm"])}
-        finite = bool(metrics["finite"])
-        if self.scaler is not None:
-            self.scaler.update(finite)
-            out["loss_scale"] = scale
-            if not finite:  # fp16: an overflow, expected now and then; not a stop
-                self.skipped_steps += 1
-                out["skipped"] = True
-                if self.parallel is None or self.parallel.rank == 0:
-                    print(f"step {self.step}: fp16 gradients overflowed at loss scale {scale:g}: the update was "
-                          f"skipped; loss scale now {self.scaler.scale:g} ({self.skipped_steps} skipped so far)",
-                          flush=True)
-                return out
-        if not finite:  # the compiled step did not apply the update
-            self._nonfinite(metrics)
-            out["skipped"] = True
-        return out
-
-    def _nonfinite(self, metrics: dict) -> None:
-        """A step with a non-finite loss or gradient (every rank sees it: the norm is global).
-        Policy ``skip``: the update was dropped; say so and go on. ``stop``: write what went
-        wrong where, and stop with an error."""
-        t = self.cfg.train
-        report = faults.nonfinite_report(self, metrics, self.step)
-        self.skipped_steps += 1
-        main = self.parallel is None or self.parallel.rank == 0
-        if t.nonfinite == "skip":
-            if main:
-                print(f"warning: step {self.step}: non-finite loss or gradient (loss {report['loss']}); the update "
-                      f"was skipped ({self.skipped_steps} skipped so far; train.nonfinite=skip)", flush=True)
-            return
-        out = Path(t.diagnostics_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        path = out / f"nonfinite_step{self.step:08d}_rank{report['rank']}.json"
-        path.write_text(json.dumps(report, indent=1))
-        bad = report["nonfinite_gradients"]
-        raise NonFiniteError(f"step {self.step}: non-finite loss or gradient (loss {report['loss']}, gradient norm "
-                             f"{report['grad_norm']}); {len(bad)} gradients on rank {report['rank']} are not finite, "
-                             f"first {bad[:3]}; the update was not applied. Diagnostics: {path}. Resume from the "
-                             f"last checkpoint with a lower --lr, or set train.nonfinite=skip to drop such steps")
-
-    def evaluate(self) -> float:
-        """Mean validation loss over ``train.eval_iters`` fixed global batches (the same
-        sequences whatever the mesh)."""
-        if self.pipelined:  # already summed over the pipeline and the data ranks
-            return mean_loss(self.cfg, self.valid_data, self.train_step.eval_sum, self.parallel, self.device, True)
-        return mean_loss(self.cfg, self.valid_data, micro_sums(self.eval_step, self.params, self.device),
-                         self.parallel, self.device)
-
-    def full_params(self) -> dict:
-        """The whole model's parameters as full, unsharded tensors on every rank (every rank
-        takes part). Pipeline stages are exchanged with an all_gather_object over pp: for
-        checking small models, not for 70B."""
-        if self.parallel is None:
-            return self.params
-        return self.parallel.shards.full_params(self.params, self.specs)
-
-    def save(self, root: str) -> str:
-        """Save a checkpoint of this step under ``root`` (asynchronously with
-        ``train.async_save``: it is finished by the next save or ``finish_saves``)."""
-        t = self.cfg.train
-        if self._checkpointer is None or self._checkpointer.root != Path(root):
-            self._checkpointer = checkpoint.Checkpointer(root, t.keep_last, t.async_save)
-        spec, files = run_state.tokenizer_files(self)
-        meta = run_state.meta(self) | {"tokenizer": spec}
-        return str(self._checkpointer.save(self.step, run_state.tensors(self), meta, files))
-
-    def finish_saves(self) -> None:
-        if self._checkpointer is not None:
-            self._checkpointer.wait()
-
-    def resume(self, path: str, params_only: bool = False) -> bool:
-        """Load a checkpoint (a root's latest, or a step directory) into this rank's shards,
-        from whatever mesh saved it. False if the root holds none yet."""
-        found = checkpoint.resolve(path)
-        if found is None:
-            return False
-        info = run_state.load_into(self, found, params_only)
-        if self.parallel is None or self.parallel.rank == 0:
-            if info.get("params_only") or params_only:
-                print(f"initialised the parameters from {found} (optimizer and step start fresh)")
-            else:
-                print(f"resumed from {found} at step {self.step}")
-                if info.get("data") != self.data.description:  # said, not silently continued
-                    print(f"warning: the checkpoint was trained on {info.get('data')}; this run reads "
-                          f"{self.data.description}, from sample {self.step * self.cfg.train.global_batch_size:,}")
-        return True
-
-    def sample(self, n_tokens: int, prompt: str, seed: int) -> str:
-        """Generated text, decoded on the run's mesh where its parameters are (every rank
-        must call, and every rank gets the same text)."""
-        if self.tokenizer is None:
-            return ""
-        return sample_text(functools.partial(generate_on_mesh, self), self.cfg.model, self.tokenizer, prompt, n_tokens,
-                           temperature=0.8, top_k=40, seed=seed)
+from fxmega.training.run import Run
 
 
 @dataclass

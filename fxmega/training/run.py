@@ -1,0 +1,202 @@
+"""A run, assembled: the config validated, the model and its specs, the parameters and
+optimizer state (``TrainState``), the compiled train and eval steps (plain or pipelined),
+the data, and the checkpointer — on one device or as one rank of a mesh. ``Run.do_step``
+advances the state by one optimizer step; tests and benchmarks drive it directly, and
+``fxmega.training.train.train`` is the loop around it.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from fxmega.config import RunConfig
+from fxmega.core import precision, tree
+from fxmega.core.device import pick_device, set_deterministic
+from fxmega.core.errors import ConfigError
+from fxmega.data.sources import build_data
+from fxmega.inference.generate import sample_text
+from fxmega.inference.generate_parallel import generate_on_mesh
+from fxmega.models import family_name, loss_by_pieces, model_for
+from fxmega.ops import kernels, recompute
+from fxmega.ops.init import init_params
+from fxmega.ops.objectives import global_count
+from fxmega.sharding.runtime import Parallel
+from fxmega.storage import checkpoint, run_state
+from fxmega.training import faults
+from fxmega.training.evaluate import mean_loss, micro_sums, my_micro_batches, one_device_loss_sum
+from fxmega.training.optim import AdamWHyper, adamw_init, decay_mask
+from fxmega.training.outcome import settle
+from fxmega.training.pipeline_step import PipelineStep
+from fxmega.training.schedules import lr_at
+from fxmega.training.state import TrainState
+from fxmega.training.step import EvalStep, TrainStep, trainable
+
+
+def check_compute(cfg: RunConfig, parallel: Parallel | None, device: torch.device) -> None:
+    """Refuse, before anything is built, the ``compute`` options this model and mesh cannot
+    honour (no silent fallback)."""
+    c = cfg.compute
+    kernels.check_available(c.kernels, device)
+    model = model_for(cfg.model)
+    if c.loss_chunk and not (hasattr(model, "final_hidden") and hasattr(model, "output_weight")):
+        raise ConfigError(f"compute.loss_chunk={c.loss_chunk}: the {family_name(cfg.model)} head is not a final norm "
+                          f"and one output projection (final_hidden, output_weight), which the chunked loss "
+                          f"needs: set compute.loss_chunk=0")
+    if not c.loss_chunk or parallel is None:
+        return
+    if parallel.groups.tp > 1:
+        raise ConfigError(f"compute.loss_chunk={c.loss_chunk} works on an unsplit vocabulary; with "
+                          f"tp={parallel.groups.tp} "
+                          f"the logits are already split over the vocabulary (vocab-parallel cross-entropy): set "
+                          f"compute.loss_chunk=0")
+    if parallel.plan.pipeline is not None:
+        raise ConfigError("compute.loss_chunk is not supported with pipeline parallelism yet (the last stage "
+                          "computes the loss from whole logits): set compute.loss_chunk=0")
+
+
+class _StateField:
+    """A ``TrainState`` field, read and written through the ``Run`` that holds the state."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, run: Run | None, owner: type | None = None) -> object:
+        return self if run is None else getattr(run.state, self.name)
+
+    def __set__(self, run: Run, value: object) -> None:
+        setattr(run.state, self.name, value)
+
+
+class Run:
+    """What a run is built of — the config, the model and its specs, the compiled steps, the
+    data, the checkpointer — around its ``state`` (a ``TrainState``: parameters, optimizer
+    state, counters, loss scaler), on one device or, with ``parallel``, this rank's shards.
+    ``do_step`` advances the state by one optimizer step; the loop is ``train.train``."""
+
+    def __init__(self, cfg: RunConfig, parallel: Parallel | None = None, device: torch.device | None = None) -> None:
+        self.parallel = parallel
+        data_size = parallel.groups.data_size if parallel is not None else 1
+        self.cfg = cfg.validate(data_size)
+        t = cfg.train
+        if t.deterministic:
+            set_deterministic()
+        self.device = device or pick_device(t.device)
+        check_compute(cfg, parallel, self.device)
+        self.compute_dtype = precision.compute_dtype(cfg.compute.precision)
+        self.model = model_for(cfg.model)
+        self.specs = self.model.param_specs(cfg.model)
+        # the parameters this process holds: all of them, or its pipeline stages' (global paths)
+        self.local_specs = self.specs if parallel is None else parallel.specs
+        self.pipelined = parallel is not None and parallel.plan.pipeline is not None
+        hyper = AdamWHyper(cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay)
+        decay = decay_mask(self.local_specs, cfg.optim.decay_embeddings)
+        if parallel is None:
+            params = trainable(init_params(self.specs, t.seed, self.device))
+            opt_state = adamw_init(tree.leaves(params))
+            loss_sum = one_device_loss_sum(self.specs, cfg.model, cfg.compute)
+        else:
+            params = parallel.shards.init_params(t.seed, self.device)
+            opt_state = parallel.shards.init_opt_state(self.device)
+            loss_sum = parallel.loss_sum_fn(loss_by_pieces(cfg.model, parallel.compute))
+        if self.pipelined:  # PipelineStage registers the stage's parameters as nn.Parameters (same storage)
+            params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), params)
+        self.state = TrainState(params, opt_state, scaler=precision.scaler_for(cfg.compute))
+        self._checkpointer: checkpoint.Checkpointer | None = None
+        zero3_regather = parallel is not None and parallel.gathers_params and parallel.regather
+        options = recompute.inductor_options(cfg.compute.recompute != "none" or zero3_regather)
+        if self.pipelined:
+            self.train_step = PipelineStep(parallel, cfg.model, self.model, self.model.objective(cfg.model),
+                                           self.params, decay, hyper,
+                                           cfg.optim.clip_grad, cfg.grad_accum_steps(data_size), t.compile,
+                                           self.device, backend=t.compile_backend, options=options)
+            self.eval_step = None
+        else:
+            self.loss_sum = loss_sum  # (flat params, batch) -> summed loss: what the steps differentiate
+            self.train_step = TrainStep(loss_sum, decay, hyper, cfg.optim.clip_grad, compile=t.compile,
+                                        parallel=parallel, backend=t.compile_backend, options=options)
+            self.eval_step = EvalStep(loss_sum, compile=t.compile, backend=t.compile_backend)
+        self.data = build_data(cfg, self.model.objective(cfg.model).name)
+        self.train_data, self.valid_data, self.tokenizer = self.data.train, self.data.valid, self.data.tokenizer
+
+    # the state's fields, read and written through the run (checkpoints, generation, tests)
+    params, opt_state, step = _StateField(), _StateField(), _StateField()
+    skipped_steps, scaler = _StateField(), _StateField()
+
+    def _my_micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        return my_micro_batches(batch, self.cfg.train.micro_batch_size, self.parallel, self.device)
+
+    def do_step(self) -> dict[str, float]:
+        """One optimizer step on the next global batch; returns loss, lr and grad norm."""
+        t = self.cfg.train
+        batch = self.train_data.global_batch(self.step, t.global_batch_size)
+        n_tokens = global_count([batch])  # of the whole global batch, whatever this rank's share
+        n_tokens = faults.maybe_poison(self.step + 1, n_tokens)
+        lr = lr_at(self.step, self.cfg.optim, t.steps)
+        scale = self.scaler.scale if self.scaler is not None else None
+        s = self.state
+        with kernels.use(self.cfg.compute.kernels):
+            s.params, s.opt_state, metrics = self.train_step(s.params, s.opt_state, self._my_micro_batches(batch), lr,
+                                                             n_tokens, loss_scale=scale)
+        s.step += 1
+        main = self.parallel is None or self.parallel.rank == 0
+        return settle(s, metrics, lr, scale, policy=t.nonfinite, diagnostics_dir=t.diagnostics_dir,
+                      local_paths=tree.paths(self.local_specs), rank=0 if self.parallel is None else self.parallel.rank,
+                      say=(lambda text: print(text, flush=True)) if main else (lambda text: None))
+
+    def evaluate(self) -> float:
+        """Mean validation loss over ``train.eval_iters`` fixed global batches (the same
+        sequences whatever the mesh)."""
+        if self.pipelined:  # already summed over the pipeline and the data ranks
+            return mean_loss(self.cfg, self.valid_data, self.train_step.eval_sum, self.parallel, self.device, True)
+        return mean_loss(self.cfg, self.valid_data, micro_sums(self.eval_step, self.params, self.device),
+                         self.parallel, self.device)
+
+    def full_params(self) -> dict:
+        """The whole model's parameters as full, unsharded tensors on every rank (every rank
+        takes part). Pipeline stages are exchanged with an all_gather_object over pp: for
+        checking small models, not for 70B."""
+        if self.parallel is None:
+            return self.params
+        return self.parallel.shards.full_params(self.params, self.specs)
+
+    def save(self, root: str) -> str:
+        """Save a checkpoint of this step under ``root`` (asynchronously with
+        ``train.async_save``: it is finished by the next save or ``finish_saves``)."""
+        t = self.cfg.train
+        if self._checkpointer is None or self._checkpointer.root != Path(root):
+            self._checkpointer = checkpoint.Checkpointer(root, t.keep_last, t.async_save)
+        spec, files = run_state.tokenizer_files(self)
+        meta = run_state.meta(self) | {"tokenizer": spec}
+        return str(self._checkpointer.save(self.step, run_state.tensors(self), meta, files))
+
+    def finish_saves(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
+
+    def resume(self, path: str, params_only: bool = False) -> bool:
+        """Load a checkpoint (a root's latest, or a step directory) into this rank's shards,
+        from whatever mesh saved it. False if the root holds none yet."""
+        found = checkpoint.resolve(path)
+        if found is None:
+            return False
+        info = run_state.load_into(self, found, params_only)
+        if self.parallel is None or self.parallel.rank == 0:
+            if info.get("params_only") or params_only:
+                print(f"initialised the parameters from {found} (optimizer and step start fresh)")
+            else:
+                print(f"resumed from {found} at step {self.step}")
+                if info.get("data") != self.data.description:  # said, not silently continued
+                    print(f"warning: the checkpoint was trained on {info.get('data')}; this run reads "
+                          f"{self.data.description}, from sample {self.step * self.cfg.train.global_batch_size:,}")
+        return True
+
+    def sample(self, n_tokens: int, prompt: str, seed: int) -> str:
+        """Generated text, decoded on the run's mesh where its parameters are (every rank
+        must call, and every rank gets the same text)."""
+        if self.tokenizer is None:
+            return ""
+        return sample_text(functools.partial(generate_on_mesh, self), self.cfg.model, self.tokenizer, prompt, n_tokens,
+                           temperature=0.8, top_k=40, seed=seed)
