@@ -97,3 +97,9 @@ def test_fxmega_modules_are_imported_at_module_level():
                     if target not in OPTIONAL_INSIDE_FUNCTIONS:
                         inside.append(f"{path.relative_to(ROOT)}:{line}: {target}")
     assert not inside, "fxmega modules imported inside functions (import them at the top):\n" + "\n".join(inside)
+
+
+def test_architecture_doc_names_every_layer():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    rows = {line.split("|")[1].strip() for line in doc.splitlines() if line.startswith("| ") and "---" not in line}
+    assert set(LAYERS) <= rows, f"docs/architecture.md's layer table lacks {sorted(set(LAYERS) - rows)}"
