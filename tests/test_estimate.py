@@ -58,7 +58,8 @@ def test_tp2_step_peak_within_15_percent():
 def test_pp2_step_peak_within_15_percent():
     """Two gloo ranks, pp=2, 1F1B over 4 micro batches, compiled stages: the first stage
     keeps two micro batches' activations, the last one plus the head; the whole step's
-    peak above the resident set (measured: 139 and 78 MiB), against the estimate."""
+    peak above the resident set (measured: 74 and 46 MiB, predicted 0.95x and 1.09x; with 8
+    layers 139 and 77 MiB, 0.97x and 1.07x, at 1.5x the compile time), against the estimate."""
     _within_15_percent("pp=2 step peak", _peaks("--pipeline", "2", "parallel.mesh=pp=2", "train.seq_len=512",
-                                                "model.max_seq_len=512", "model.n_layers=8",
+                                                "model.max_seq_len=512", "model.n_layers=4",
                                                 "train.micro_batch_size=8", "train.global_batch_size=32"))
