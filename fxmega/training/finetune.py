@@ -38,7 +38,7 @@ from fxmega.sharding.mesh import parse_mesh
 from fxmega.sharding.runtime import Parallel
 from fxmega.storage import checkpoint, run_state
 from fxmega.storage.hf_bert import load_hf_dir
-from fxmega.training.evaluate import one_device_loss_sum
+from fxmega.training.evaluate import my_micro_batches, one_device_loss_sum
 from fxmega.training.optim import AdamWHyper, adamw_init, decay_mask
 from fxmega.training.outcome import settle
 from fxmega.training.pipeline_step import PipelineStep
@@ -183,9 +183,7 @@ def finetune(cfg: RunConfig, data_path: str | Path, valid_path: str | Path | Non
     evaluate = compiled(no_grad_eval, t.compile_backend) if t.compile else no_grad_eval
 
     def mine(batch: Batch) -> list[Batch]:
-        """This data rank's micro batches of a global batch, on the device."""
-        rank, size = (par.groups.data_rank, par.groups.data_size) if par is not None else (0, 1)
-        return [{k: v.to(device) for k, v in b.items()} for b in micro_batches(batch, t.micro_batch_size, rank, size)]
+        return my_micro_batches(batch, t.micro_batch_size, par, device)
 
     def sums(batches: list[Batch]) -> tuple[float, float]:
         """Mean loss and accuracy over ``batches`` (each with a ``loss_mask``); the same

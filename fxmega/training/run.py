@@ -118,6 +118,9 @@ class Run:
             self.train_step = TrainStep(loss_sum, decay, hyper, cfg.optim.clip_grad, compile=t.compile,
                                         parallel=parallel, backend=t.compile_backend, options=options)
             self.eval_step = EvalStep(loss_sum, compile=t.compile, backend=t.compile_backend)
+        self._local_paths = tree.paths(self.local_specs)  # what a non-finite report names
+        self._rank = 0 if parallel is None else parallel.rank
+        self._say = (lambda text: print(text, flush=True)) if self._rank == 0 else (lambda text: None)
         self.data = build_data(cfg, self.model.objective(cfg.model).name)
         self.train_data, self.valid_data, self.tokenizer = self.data.train, self.data.valid, self.data.tokenizer
 
@@ -141,10 +144,8 @@ class Run:
             s.params, s.opt_state, metrics = self.train_step(s.params, s.opt_state, self._my_micro_batches(batch), lr,
                                                              n_tokens, loss_scale=scale)
         s.step += 1
-        main = self.parallel is None or self.parallel.rank == 0
         return settle(s, metrics, lr, scale, policy=t.nonfinite, diagnostics_dir=t.diagnostics_dir,
-                      local_paths=tree.paths(self.local_specs), rank=0 if self.parallel is None else self.parallel.rank,
-                      say=(lambda text: print(text, flush=True)) if main else (lambda text: None))
+                      local_paths=self._local_paths, rank=self._rank, say=self._say)
 
     def evaluate(self) -> float:
         """Mean validation loss over ``train.eval_iters`` fixed global batches (the same
