@@ -1,5 +1,5 @@
 """Llama-2-70B: grouped-query attention (8 key/value heads), the Llama 2 paper's settings.
-A size to plan for (``run.py --config configs/llama2_70b.py --mesh 8x4x2 --plan``)."""
+A size to plan for (``run.py plan --config configs/llama2_70b.py --mesh 8x4x2``)."""
 
 from fxmega.config import ComputeConfig, DataConfig, OptimConfig, RunConfig, TrainConfig
 from fxmega.models import llama

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fxmega.cli import build_parser, config_from_args, main
+from fxmega.cli import config_from_args, main, parse_args
 from fxmega.config import RunConfig, load, override
 from fxmega.core.errors import ConfigError
 from fxmega.models import gpt
@@ -59,7 +59,7 @@ def test_load_errors(tmp_path):
 
 
 def test_cli_flags_map_to_keys():
-    args = build_parser().parse_args(["--config", str(ROOT / "configs/tiny_gpt.py"), "--steps", "3", "--lr", "0.01",
+    args = parse_args(["--config", str(ROOT / "configs/tiny_gpt.py"), "--steps", "3", "--lr", "0.01",
                                       "--micro-batch-size", "2", "--global-batch-size", "4", "--no-compile",
                                       "--mock-data", "--set", "train.seed=9"])
     cfg = config_from_args(args)
@@ -75,5 +75,5 @@ def test_cli_reports_errors_without_traceback(capsys):
 
 
 def test_summary_command(capsys):
-    assert main(["--config", str(ROOT / "configs/gpt2_124m.py"), "--summary"]) == 0
+    assert main(["summary", "--config", str(ROOT / "configs/gpt2_124m.py")]) == 0
     assert "parameters: 124,439,808" in capsys.readouterr().out

@@ -15,14 +15,14 @@ from fxmega.training.run import Run
 from tests.conftest import ROOT
 from tests.tolerance import run_rtol
 
-ARGS = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--mock-data", "--no-progress", "--no-compile",
-        "--micro-batch-size", "4", "--eval-iters", "3"]
+ARGS = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--mock-data", "--no-compile", "--micro-batch-size", "4",
+        "--eval-iters", "3"]  # flags that train and eval both take
 
 
 @pytest.mark.slow
 def test_eval_of_a_checkpoint_on_one_device_and_on_tp2(tmp_path):
     ckpt = tmp_path / "ckpt"
-    assert main([*ARGS, "--steps", "5", "--save", str(ckpt)]) == 0
+    assert main([*ARGS, "--no-progress", "--steps", "5", "--save", str(ckpt)]) == 0
     single = tmp_path / "single.jsonl"
     assert main(["eval", *ARGS, "--load", str(ckpt), "--log-jsonl", str(single)]) == 0
     result = json.loads(single.read_text())

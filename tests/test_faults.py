@@ -12,7 +12,7 @@ import sys
 import pytest
 import yaml
 
-from fxmega.cli import build_parser, config_from_args, main
+from fxmega.cli import config_from_args, main, parse_args
 from tests.conftest import ROOT
 from tests.tolerance import run_rtol
 
@@ -22,7 +22,7 @@ ARGS = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--mock-data", "--no-
 
 def _cfg():
     """The run ARGS describe, for its rounding tolerance."""
-    return config_from_args(build_parser().parse_args(ARGS))
+    return config_from_args(parse_args(ARGS))
 
 
 def _records(path) -> list[dict]:
@@ -178,5 +178,5 @@ def test_a_stalled_rank_is_named_within_the_timeout():
 def test_the_straggler_is_named_in_the_log():
     proc, _ = _run_two_ranks({"FXMEGA_TEST_STALL_AT_STEP": "1:4:0.5"})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    line = next(x for x in proc.stdout.splitlines() if x.startswith("step      4 |"))
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("[rank 0] step      4 |"))
     assert "straggler: rank 1 began the step" in line

@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from fxmega.cli import build_parser, config_from_args
+from fxmega.cli import config_from_args, parse_args
 from fxmega.config import _all_keys, load
 from fxmega.core.errors import FxmegaError
 from fxmega.models import model_for
@@ -38,7 +38,7 @@ FUZZ = settings(max_examples=examples(150), deadline=None, suppress_health_check
 def _check(argv: list[str]) -> None:
     """Parse, validate and plan what the command line asks for; only FxmegaError may escape."""
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_args(argv)
         cfg = config_from_args(args).validate(None)  # as run.py does
         model = model_for(cfg.model)
         plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)

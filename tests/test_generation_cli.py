@@ -29,7 +29,7 @@ def serving(args: list[str]):
         seen, url = [], None
         for line in proc.stdout:  # the server says where it listens once it is up
             seen.append(line)
-            if line.startswith("serving "):
+            if line.removeprefix("[rank 0] ").startswith("serving "):  # a mesh's lines carry the rank
                 url = line.split(" on ")[1].split()[0]
                 break
         assert url and url.startswith("http://127.0.0.1:"), "".join(seen)[-3000:]
@@ -47,9 +47,8 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen")
     corpus = root / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    args = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--data-path", str(corpus), "--no-compile",
-            "--no-progress"]
-    assert main([*args, "--steps", "30", "--save", str(root / "ckpt")]) == 0
+    args = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--data-path", str(corpus), "--no-compile"]
+    assert main([*args, "--no-progress", "--steps", "30", "--save", str(root / "ckpt")]) == 0
     return args + ["--load", str(root / "ckpt")], corpus
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fxmega.cli import build_parser, config_from_args
+from fxmega.cli import config_from_args, parse_args
 from fxmega.config import override
 from fxmega.core.errors import ConfigError, DataError
 from fxmega.data.batches import SampleBatches, micro_batches
@@ -242,7 +242,7 @@ def test_training_on_indexed_data_learns_and_resumes_in_order(tiny_gpt, shakespe
 
 def test_blended_training_draws_each_dataset_by_weight(tiny_gpt, shakespeare_prefix, tmp_path):
     other = _write(tmp_path / "numbers", [np.full(100, 7 + i % 3) for i in range(50)], np.uint16).prefix
-    args = build_parser().parse_args(["--config", str(ROOT / "configs/tiny_gpt.py"),
+    args = parse_args(["--config", str(ROOT / "configs/tiny_gpt.py"),
                                       "--data-path", "0.75", shakespeare_prefix, "0.25", other])
     cfg = config_from_args(args)
     assert cfg.data.source == f"0.75 {shakespeare_prefix} 0.25 {other}"

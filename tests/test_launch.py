@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fxmega.cli import build_parser, config_from_args, main
+from fxmega.cli import config_from_args, main, parse_args
 from tests.conftest import ROOT
 from tests.tolerance import run_rtol
 
@@ -18,7 +18,7 @@ ARGS = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--mock-data", "--no-
 
 def _cfg(*extra: str):
     """The run ARGS describe, for its rounding tolerance."""
-    return config_from_args(build_parser().parse_args([*ARGS, *extra]))
+    return config_from_args(parse_args([*ARGS, *extra]))
 
 
 def _losses(path):
@@ -32,12 +32,14 @@ def test_mesh_2x2_through_the_launcher_matches_one_device(tmp_path):
     sharded = tmp_path / "sharded.jsonl"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *ARGS, "--no-compile", "--mesh", "2x2",
-                           "--sequence-parallel", "--rules", "zero1", "--log-jsonl", str(sharded)],
+                           "--sequence-parallel", "--rules", "zero1", "--log-jsonl", str(sharded),
+                           "--log-level", "debug"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "starting 4 local processes" in out and "mesh: dp=2 x tp=2 (4 ranks)" in out
-    assert all(f"rank {r}: dp={r // 2}, tp={r % 2}" in out for r in range(4))
+    # at --log-level debug every rank says where it is
+    assert all(f"[rank {r}] debug: rank {r}: dp={r // 2}, tp={r % 2}" in out for r in range(4))
     assert len(_losses(sharded)) == 4  # one rank writes the log
     # the 4 steps' losses (logged every 2) on a mesh that sums in other orders
     assert _losses(sharded) == pytest.approx(_losses(single), rel=run_rtol(_cfg(), 4))
@@ -55,7 +57,7 @@ def test_mesh_that_does_not_fit_the_world_is_one_clear_line(tmp_path):
 
 
 def test_explain_prints_the_plan_for_a_big_mesh(capsys):
-    assert main(["--config", str(ROOT / "configs" / "llama2_7b.py"), "--mesh", "dp=8,tp=4", "--rules", "zero1",
+    assert main(["plan", "--config", str(ROOT / "configs" / "llama2_7b.py"), "--mesh", "dp=8,tp=4", "--rules", "zero1",
                  "--explain"]) == 0
     out = capsys.readouterr().out
     assert "mesh: dp=8 x tp=4 (32 ranks)" in out and "blocks.31.mlp.w_down" in out

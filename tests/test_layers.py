@@ -11,8 +11,8 @@ from tests.conftest import ROOT
 # lowest first: a module may import from its own layer and every layer above it in this list
 LAYERS = {
     "core": "core core.errors core.spec core.tree core.json_files core.device core.memory core.precision "
-            "core.kernel_dump sharding.layout sharding.inspect sharding.collectives sharding.mesh sharding.rules "
-            "sharding.pipeline",
+            "core.kernel_dump core.log sharding.layout sharding.inspect sharding.collectives sharding.mesh "
+            "sharding.rules sharding.pipeline",
     "building blocks": "ops ops.kernels ops.kernels.triton_ops ops.kernels.triton_norms "
                        "ops.kernels.triton_cross_entropy ops.layers ops.losses ops.objectives ops.recompute ops.init",
     "models": "models models.bert models.gpt models.llama models.pieces models.registry models.census models.checks "
@@ -32,7 +32,7 @@ LAYERS = {
                 "training.tracking training.state training.outcome training.run training.train training.finetune",
     "serving": "inference.serve inference.serve_mesh inference.generation_cli",
     "planning": "planning planning.fake planning.report planning.auto planning.summary",
-    "command line": "cli",
+    "command line": "cli cli.parser cli.commands",
 }
 # imported inside functions because they are optional: the package imports without them
 OPTIONAL_INSIDE_FUNCTIONS = {"fxmega.ops.kernels.triton_ops", "fxmega.ops.kernels.triton_norms",

@@ -75,12 +75,12 @@ def test_impossible_splits_and_schedules_are_clear_errors():
 
 
 def test_explain_shows_the_stage_map(capsys):
-    assert main(["--config", str(ROOT / "configs" / "llama2_7b.py"), "--mesh", "8x4x2", "--rules", "zero1",
+    assert main(["plan", "--config", str(ROOT / "configs" / "llama2_7b.py"), "--mesh", "8x4x2", "--rules", "zero1",
                  "--pipeline-schedule", "interleaved-1f1b", "--virtual-stages", "2", "--global-batch-size", "64",
                  "--micro-batch-size", "1", "--explain"]) == 0
     out = capsys.readouterr().out
     assert "pipeline: 2 ranks x 2 virtual = 4 stages, schedule interleaved-1f1b" in out
-    assert "stage 3 on pp rank 1: blocks 24-31, L" in out or "stage 3 on pp rank 1: blocks" in out
+    assert "stage 0 on pp rank 0: E, blocks 0-7 " in out and "stage 3 on pp rank 1: blocks 24-31, L " in out
     assert "pp rank 0: parameters" in out and "pp rank 1: parameters" in out
     assert "@ pp 1" in out  # the head lives on the last stage's rank
 

@@ -40,7 +40,7 @@ def test_64_rank_plan_in_one_process():
 
 @pytest.mark.parametrize("name,verdict", [("llama2_7b", "fits"), ("llama2_70b", "OOM")])
 def test_llama_7b_and_70b_plan_on_8x4x2(name, verdict, capsys):
-    assert main(["--config", f"configs/{name}.py", "--mesh", "8x4x2", "--plan", "--memory-per-device", "80GB",
+    assert main(["plan", "--config", f"configs/{name}.py", "--mesh", "8x4x2", "--memory-per-device", "80GB",
                  "--bf16"]) == 0
     out = capsys.readouterr().out
     assert f"\n{verdict}" in out and "checked on a fake 64-rank process group" in out
@@ -173,19 +173,19 @@ def test_auto_planner_only_proposes_layouts_that_fit_and_divide():
     (["--mesh", "auto", "--devices", "0"], "--devices 0"),
     (["--mesh", "auto", "--devices", "8", "--device-profile", "tpu"], "unknown device 'tpu'"),
     (["--mesh", "auto", "--devices", "8", "--device-profile", "h100,inter=fast"], "inter='fast' is not a number"),
-    (["--mesh", "2x2", "--plan", "--memory-per-device", "lots"], "write a size like 80GB"),
-    (["--mesh", "2x2", "--global-batch-size", "16", "--plan", "--rank", "4"], "the mesh has ranks 0..3"),
+    (["--mesh", "2x2", "--memory-per-device", "lots"], "write a size like 80GB"),
+    (["--mesh", "2x2", "--global-batch-size", "16", "--rank", "4"], "the mesh has ranks 0..3"),
     (["--mesh", "2x2", "--show", "blocks.0.mlp.w_inn"], "blocks.0.mlp.w_in"),
-    (["--mesh", "2x3", "--plan"], "tp=3 does not divide"),
+    (["--mesh", "2x3"], "tp=3 does not divide"),
 ])
 def test_clear_errors(argv, message, capsys):
-    assert main(["--config", "configs/tiny_gpt.py", *argv]) == 2
+    assert main(["plan", "--config", "configs/tiny_gpt.py", *argv]) == 2
     assert message in capsys.readouterr().err
 
 
 def test_plan_html_and_show(tmp_path, capsys):
     page = tmp_path / "plan.html"
-    assert main(["--config", "configs/tiny_gpt.py", "--mesh", "2x2x2", "--global-batch-size", "32", "--plan-html",
-                 str(page), "--show", "embed.tokens"]) == 0
+    assert main(["plan", "--config", "configs/tiny_gpt.py", "--mesh", "2x2x2", "--global-batch-size", "32",
+                 "--plan-html", str(page), "--show", "embed.tokens"]) == 0
     out = capsys.readouterr().out
     assert "embed.tokens" in out and "tp0" in out and page.read_text().count("<svg") > 10

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fxmega.cli import config_from_args, parse_args
 from fxmega.config import load, override
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError
@@ -154,12 +155,10 @@ def test_bad_precision_settings_are_clear_errors():
 
 
 def test_cli_precision_flags():
-    from fxmega.cli import build_parser, config_from_args
-
     cfg_path = str(ROOT / "configs" / "tiny_gpt.py")
     for argv, want in ((["--bf16"], ("bf16", "none")), (["--fp16", "--recompute", "full"], ("fp16", "full")),
                        (["--precision", "bf16", "--recompute", "selective"], ("bf16", "selective"))):
-        cfg = config_from_args(build_parser().parse_args(["--config", cfg_path, *argv]))
+        cfg = config_from_args(parse_args(["--config", cfg_path, *argv]))
         assert (cfg.compute.precision, cfg.compute.recompute) == want
 
 

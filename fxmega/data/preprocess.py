@@ -25,12 +25,15 @@ from pathlib import Path
 import numpy as np
 
 from fxmega.core.errors import DataError, FxmegaError
+from fxmega.core.log import get_logger
 from fxmega.data.indexed import IndexedDatasetWriter, token_dtype
 from fxmega.data.tokenizer import build_tokenizer
 
 BATCH_DOCS = 256  # documents per task sent to a worker
 
 _worker: dict = {}  # per worker process: the tokenizer and the job's settings
+
+log = get_logger(__name__)
 
 
 def _init_worker(spec: str, data_dir: str, keys: list[str], append_eod: bool) -> None:
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         r = preprocess(args.input, args.output_prefix, args.tokenizer, tuple(args.json_keys), args.append_eod,
                        args.workers, args.txt_docs, args.data_dir, progress=not args.no_progress)
     except FxmegaError as e:
-        print(f"error: {e}", file=sys.stderr)
+        log.error(str(e))
         return 2
     print(f"{r['documents']:,} documents, {r['tokens']:,} tokens in {r['seconds']:.1f} s "
           f"({r['tokens_per_s']:,.0f} tokens/s, {args.workers} workers) -> {', '.join(r['prefixes'])}")

@@ -21,6 +21,7 @@ from fxmega.config import RunConfig, from_dict
 from fxmega.core import tree
 from fxmega.core.device import pick_device
 from fxmega.core.errors import ConfigError
+from fxmega.core.log import get_logger
 from fxmega.data.tokenizer import Tokenizer, build_tokenizer, stored_spec
 from fxmega.models import model_for
 from fxmega.models.registry import ModelFamily
@@ -28,6 +29,8 @@ from fxmega.ops.init import init_params
 from fxmega.sharding.runtime import Parallel
 from fxmega.storage import checkpoint, run_state
 from fxmega.storage.checkpoint_files import read_meta
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -142,5 +145,5 @@ def load_model(cfg: RunConfig, parallel: Parallel | None = None, device: torch.d
     with torch.no_grad():
         loaded.meta = run_state.load_into(loaded, found, params_only=True)
     if loaded.main:
-        print(f"loaded the parameters of {found}", flush=True)
+        log.info(f"loaded the parameters of {found}")
     return loaded

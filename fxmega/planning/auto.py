@@ -1,4 +1,4 @@
-"""``run.py --mesh auto --devices N --memory-per-device 80GB``: search the parallel layouts.
+"""``run.py plan --mesh auto --devices N --memory-per-device 80GB``: search the parallel layouts.
 
 Every candidate is a full fxmega run setting — mesh ``dp x tp x pp``, ZeRO stage, recompute
 mode, pipeline schedule (sequence parallelism is on whenever tp > 1: it only saves memory).

@@ -1,4 +1,4 @@
-"""``run.py --plan``: everything a run on this mesh would do, printed before a cluster hour is
+"""``run.py plan``: everything a run on this mesh would do, printed before a cluster hour is
 spent — the resolved mesh and its rank layout, the per-parameter sharding table and
 pipeline stage map, per-rank memory by kind against ``--memory-per-device`` with a verdict,
 and communication per step per mesh axis. The plan is checked on the real DeviceMesh and
@@ -155,7 +155,7 @@ def text_table(rows: list[tuple]) -> list[str]:
 
 def plan_report(cfg: Any, budget: int | None = None, rank: int | None = None, verify: bool = True,
                 dump_dir: str | None = None) -> str:
-    """The ``--plan`` text for ``cfg`` (its ``parallel.mesh``), optionally tracing ``rank``
+    """The ``run.py plan`` text for ``cfg`` (its ``parallel.mesh``), optionally tracing ``rank``
     (and writing its traced graphs under ``dump_dir``, see ``fxmega.core.kernel_dump``)."""
 
     model = model_for(cfg.model)

@@ -20,11 +20,14 @@ import torch
 import torch.distributed as dist
 
 from fxmega.config import RunConfig
+from fxmega.core.log import get_logger
 from fxmega.models import model_for
 from fxmega.models.registry import ModelFamily
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh, check_world_size
 from fxmega.sharding.runtime import Parallel
 from fxmega.sharding.strategy import plan_from
+
+log = get_logger(__name__)
 
 
 def under_launcher() -> bool:
@@ -35,7 +38,7 @@ def relaunch(nproc: int, argv: list[str]) -> int:
     """Run ``run.py argv`` on ``nproc`` local processes through torch.distributed.run."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(Path(sys.argv[0]).resolve()), *argv]
-    print(f"starting {nproc} local processes: {' '.join(cmd[1:])}", flush=True)
+    log.info(f"starting {nproc} local processes: {' '.join(cmd[1:])}")
     launcher = subprocess.Popen(cmd)
     # a signal to this process goes on to the launcher, which stops its workers; killing the
     # launcher instead (what subprocess.call does on Ctrl-C) would leave the workers running
@@ -98,13 +101,13 @@ def setup(cfg: RunConfig, mesh: MeshSpec, model: ModelFamily | None = None) -> t
     specs = model.param_specs(cfg.model)
     plan = plan_from(specs, cfg.parallel, model)
     if rank == 0:
-        print(f"mesh: {mesh.describe()}, {plan.strategy.name} (zero {plan.zero})"
-              + (", sequence parallel" if plan.sequence_parallel else "") + "".join(f"\nnote: {n}" for n in plan.notes),
-              flush=True)
+        log.info(f"mesh: {mesh.describe()}, {plan.strategy.name} (zero {plan.zero})"
+                 + (", sequence parallel" if plan.sequence_parallel else "")
+                 + "".join(f"\nnote: {n}" for n in plan.notes))
         if plan.pipeline is not None:
-            print("\n".join(plan.pipeline.describe()), flush=True)
+            log.info("\n".join(plan.pipeline.describe()))
     coords = mesh.coords(rank)
-    print(f"rank {rank}: " + ", ".join(f"{a}={coords[a]}" for a in mesh.names) + f" on {device}", flush=True)
+    log.debug(f"rank {rank}: " + ", ".join(f"{a}={coords[a]}" for a in mesh.names) + f" on {device}")
     local = local_specs(specs, plan, coords["pp"])
     return Parallel(plan, device_mesh, rank, local, cfg.parallel.bucket_size, cfg.parallel.zero3_regather,
                     cfg.compute), device

@@ -39,7 +39,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fxmega.core.errors import CheckpointError
+from fxmega.core.log import get_logger
 from fxmega.storage.checkpoint_files import MANIFEST, META, SafeReader, digests, read_meta, verify, write_manifest
+
+log = get_logger(__name__)
+
 
 STEP_PREFIX = "step_"
 # DCP says this for every single-process save, from the writer thread too when async
@@ -178,7 +182,7 @@ def _test_pause(step: int) -> None:
     middle of saving (tests/test_checkpoint.py)."""
     at, _, seconds = os.environ.get("FXMEGA_TEST_PAUSE_BEFORE_RENAME", "").partition(":")
     if at and int(at) == step:
-        print("checkpoint: files written, pausing before the rename", flush=True)
+        log.info("checkpoint: files written, pausing before the rename")
         time.sleep(float(seconds))
 
 

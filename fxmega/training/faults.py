@@ -12,6 +12,10 @@ import os
 import signal
 import sys
 
+from fxmega.core.log import get_logger
+
+log = get_logger(__name__)
+
 
 def maybe_kill(rank: int, step: int) -> None:
     spec = os.environ.get("FXMEGA_TEST_KILL_AT_STEP", "")
@@ -19,7 +23,7 @@ def maybe_kill(rank: int, step: int) -> None:
         return
     at_rank, _, at_step = spec.partition(":")
     if int(at_rank) == rank and int(at_step) == step:
-        print(f"fault injection: killing rank {rank} after step {step}", flush=True)
+        log.warning(f"fault injection: killing rank {rank} after step {step}")
         sys.stdout.flush()
         os.kill(os.getpid(), signal.SIGKILL)
 

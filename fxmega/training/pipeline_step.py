@@ -31,6 +31,7 @@ from torch.distributed import pipelining
 from torch.distributed.tensor import DTensor, Replicate
 
 from fxmega.core import tree
+from fxmega.core.log import get_logger
 from fxmega.models.pieces import embed_inputs, output_axes, run_pieces
 from fxmega.models.registry import ModelConfig, ModelFamily
 from fxmega.ops.objectives import Objective, global_count
@@ -40,6 +41,9 @@ from fxmega.sharding.runtime import Parallel
 from fxmega.training.optim import AdamWHyper
 from fxmega.training.step import compiled
 from fxmega.training.update import Update
+
+log = get_logger(__name__)
+
 
 RESIDUAL = ("batch", "seq", "embed")
 
@@ -83,9 +87,9 @@ class PipelineStep:
         self.compiled = compile
         self.compiled_stages = compile and pipe.schedule not in SPLIT_BACKWARD
         if compile and not self.compiled_stages and par.rank == 0:  # said, not silently done
-            print(f"note: the {pipe.schedule} schedule splits each backward into input and weight gradients by "
-                  f"walking the stage's autograd graph, which a compiled stage hides: its stages run eagerly; "
-                  f"the update graph is compiled", flush=True)
+            log.info(f"note: the {pipe.schedule} schedule splits each backward into input and weight gradients by "
+                     f"walking the stage's autograd graph, which a compiled stage hides: its stages run eagerly; "
+                     f"the update graph is compiled")
         self.pp_rank = par.groups.coords["pp"]
         self.my_stages = pipe.stages_of(self.pp_rank)
         self.has_first = any(s.index == 0 for s in self.my_stages)

@@ -16,6 +16,7 @@ from fxmega.config import RunConfig
 from fxmega.core import precision, tree
 from fxmega.core.device import pick_device, set_deterministic
 from fxmega.core.errors import ConfigError
+from fxmega.core.log import get_logger
 from fxmega.data.sources import build_data
 from fxmega.inference.generate import sample_text
 from fxmega.inference.generate_parallel import generate_on_mesh
@@ -33,6 +34,8 @@ from fxmega.training.pipeline_step import PipelineStep
 from fxmega.training.schedules import lr_at
 from fxmega.training.state import TrainState
 from fxmega.training.step import EvalStep, TrainStep, trainable
+
+log = get_logger(__name__)
 
 
 def check_compute(cfg: RunConfig, parallel: Parallel | None, device: torch.device) -> None:
@@ -120,7 +123,7 @@ class Run:
             self.eval_step = EvalStep(loss_sum, compile=t.compile, backend=t.compile_backend)
         self._local_paths = tree.paths(self.local_specs)  # what a non-finite report names
         self._rank = 0 if parallel is None else parallel.rank
-        self._say = (lambda text: print(text, flush=True)) if self._rank == 0 else (lambda text: None)
+        self._say = log.info if self._rank == 0 else (lambda text: None)
         self.data = build_data(cfg, self.model.objective(cfg.model).name)
         self.train_data, self.valid_data, self.tokenizer = self.data.train, self.data.valid, self.data.tokenizer
 
@@ -186,12 +189,13 @@ class Run:
         info = run_state.load_into(self, found, params_only)
         if self.parallel is None or self.parallel.rank == 0:
             if info.get("params_only") or params_only:
-                print(f"initialised the parameters from {found} (optimizer and step start fresh)")
+                log.info(f"initialised the parameters from {found} (optimizer and step start fresh)")
             else:
-                print(f"resumed from {found} at step {self.step}")
+                log.info(f"resumed from {found} at step {self.step}")
                 if info.get("data") != self.data.description:  # said, not silently continued
-                    print(f"warning: the checkpoint was trained on {info.get('data')}; this run reads "
-                          f"{self.data.description}, from sample {self.step * self.cfg.train.global_batch_size:,}")
+                    sample = self.step * self.cfg.train.global_batch_size
+                    log.warning(f"the checkpoint was trained on {info.get('data')}; this run reads "
+                                f"{self.data.description}, from sample {sample:,}")
         return True
 
     def sample(self, n_tokens: int, prompt: str, seed: int) -> str:

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from fxmega.config import RunConfig, to_dict
 from fxmega.core.kernel_dump import dump_kernels
+from fxmega.core.log import get_logger
 from fxmega.core.memory import peak_bytes, reset_peak
 from fxmega.models import family_name
 from fxmega.ops.init import count_params
@@ -24,6 +25,8 @@ from fxmega.training.heartbeat import Heartbeat
 from fxmega.training.logs import RunLog
 from fxmega.training.metrics import Throughput, device_peak, model_flops_per_token
 from fxmega.training.run import Run
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -42,32 +45,30 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
     run = Run(cfg, parallel, device)
     main = parallel is None or parallel.rank == 0
     world = 1 if parallel is None else parallel.groups.mesh.world_size
-    say = print if main else (lambda *a, **k: None)
     t = cfg.train
     if t.load_dir and not run.resume(t.load_dir, params_only=t.finetune):
-        say(f"no checkpoint under {t.load_dir} yet: starting from step 0")
+        log.info(f"no checkpoint under {t.load_dir} yet: starting from step 0")
     flops = model_flops_per_token(run.specs, cfg.model, t.seq_len)
     peak = device_peak(run.device, run.compute_dtype, t.peak_flops)
-    say(f"model: {family_name(cfg.model)}, {count_params(run.specs):,} parameters, {flops / 1e6:,.1f} MFLOPs/token; "
-        f"device {run.device} x {world}; MFU against {peak.flops / 1e12:.3f} TFLOP/s per device ({peak.source})")
+    log.info(f"model: {family_name(cfg.model)}, {count_params(run.specs):,} parameters, "
+             f"{flops / 1e6:,.1f} MFLOPs/token; device {run.device} x {world}; "
+             f"MFU against {peak.flops / 1e12:.3f} TFLOP/s per device ({peak.source})")
     dp = 1 if parallel is None else parallel.groups.data_size
-    say(f"batch: {t.global_batch_size} x {t.seq_len} tokens = micro batch {t.micro_batch_size} x "
-        f"{cfg.grad_accum_steps(dp)} accumulation steps x {dp} data-parallel ranks; {t.steps} steps; "
-        f"compile={t.compile_backend if t.compile else 'off'}")
+    log.info(f"batch: {t.global_batch_size} x {t.seq_len} tokens = micro batch {t.micro_batch_size} x "
+             f"{cfg.grad_accum_steps(dp)} accumulation steps x {dp} data-parallel ranks; {t.steps} steps; "
+             f"compile={t.compile_backend if t.compile else 'off'}")
     c = cfg.compute
-    say(f"compute: {c.precision} (fp32 master weights and AdamW state"
-        f"{', dynamic loss scaling' if c.precision == 'fp16' and not c.loss_scale else ''}), gradient reductions in "
-        f"{c.grad_reduce}, recompute {c.recompute}"
-        f"{f' (first {c.recompute_layers} blocks)' if c.recompute != 'none' and c.recompute_layers else ''}, "
-        f"{c.kernels} kernels, cross-entropy {f'in chunks of {c.loss_chunk} tokens' if c.loss_chunk else 'whole'}")
-    say(f"data: {run.data.description}")
-    log = RunLog(t.log_jsonl, t.tensorboard_dir, tracking.sinks(cfg, to_dict(cfg))) if main else RunLog()
+    log.info(f"compute: {c.precision} (fp32 master weights and AdamW state"
+             f"{', dynamic loss scaling' if c.precision == 'fp16' and not c.loss_scale else ''}), gradient "
+             f"reductions in {c.grad_reduce}, recompute {c.recompute}"
+             f"{f' (first {c.recompute_layers} blocks)' if c.recompute != 'none' and c.recompute_layers else ''}, "
+             f"{c.kernels} kernels, cross-entropy {f'in chunks of {c.loss_chunk} tokens' if c.loss_chunk else 'whole'}")
+    log.info(f"data: {run.data.description}")
+    run_log = RunLog(t.log_jsonl, t.tensorboard_dir, tracking.sinks(cfg, to_dict(cfg))) if main else RunLog()
     result = RunResult(run=run)
     meter = Throughput(flops, peak, world)
     tokens_per_step = t.global_batch_size * t.seq_len
-    bar = tqdm(total=t.steps, initial=run.step, desc="train", unit="step", disable=not (progress and main),
-               dynamic_ncols=True)
-    echo = bar.write if main else (lambda *a, **k: None)
+    bar = None  # made once the first step is done, so that its rate and ETA leave compilation out
     first_step = run.step
     spikes = faults.SpikeDetector(t.spike_z)
     rank = 0 if parallel is None else parallel.rank
@@ -84,8 +85,8 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
 
                 with dump_kernels(t.dump_kernels, rank, parallel.groups.labels if parallel is not None else None):
                     m = run.do_step()
-                echo(f"wrote {t.dump_kernels}/rank{rank}/index.md: compiled graphs, generated code, kernels and "
-                     f"collectives")
+                log.info(f"wrote {t.dump_kernels}/rank{rank}/index.md: compiled graphs, generated code, kernels "
+                         f"and collectives")
             else:
                 m = run.do_step()  # float() of the loss waits for the step to finish
         except RuntimeError as e:  # a collective that gave up waiting explains who it waited for
@@ -102,12 +103,12 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
         record = {"step": step, **m, "step_time_s": seconds, **rates}
         if not m.get("skipped") and (z := spikes.score(m["loss"])) is not None:
             record["loss_spike_z"] = z
-            echo(f"warning: step {step}: loss {m['loss']:.4f} is {z:.1f} standard deviations above the mean of the "
-                 f"last {len(spikes.history) - 1} steps (a loss spike)")
+            log.warning(f"step {step}: loss {m['loss']:.4f} is {z:.1f} standard deviations above the mean of the "
+                        f"last {len(spikes.history) - 1} steps (a loss spike)")
         result.losses.append(m["loss"])
         if (t.eval_interval and step % t.eval_interval == 0) or step == t.steps:
             record["valid_loss"] = result.valid_losses[step] = run.evaluate()
-            echo(f"step {step}: validation loss {record['valid_loss']:.4f}")
+            log.info(f"step {step}: validation loss {record['valid_loss']:.4f}")
         log_line = not first and (step % t.log_interval == 0 or step == t.steps)
         straggler = ""
         slow = beats.stragglers(step) if log_line and beats is not None and main else None
@@ -118,26 +119,32 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
         if log_line:
             record["peak_memory_bytes"] = peak_bytes(run.device)  # the high-water mark since the last log line
             reset_peak(run.device)
-        log.write(record)
+        run_log.write(record)
+        if bar is None:
+            bar = tqdm(total=t.steps, initial=step, desc="train", unit="step", disable=not (progress and main),
+                       dynamic_ncols=True)
+        else:
+            bar.update(1)
         bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.2f}",
-                        tok_s=f"{rates['tokens_per_s']:,.0f}", refresh=False)
-        bar.update(1)
+                        tok_s=f"{rates['tokens_per_s']:,.0f}")
         if first:
-            echo(f"step {step}: first step took {seconds:.1f} s" + (" (includes compilation)" if t.compile else ""))
+            log.info(f"step {step}: first step took {seconds:.1f} s" + (" (includes compilation)" if t.compile else ""))
             meter.interval()
         elif log_line:
             avg = meter.interval()
             peak_mem = record["peak_memory_bytes"]
-            echo(f"step {step:>6} | loss {m['loss']:.4f} | lr {m['lr']:.3e} | grad norm {m['grad_norm']:.3f} | "
-                 f"{avg['tokens_per_s']:,.0f} tokens/s | MFU {100 * avg['mfu']:.2f}% | "
-                 f"peak mem {peak_mem / 2**30:.2f} GiB{straggler}")
+            log.info(f"step {step:>6} | loss {m['loss']:.4f} | lr {m['lr']:.3e} | grad norm {m['grad_norm']:.3f} | "
+                     f"{avg['tokens_per_s']:,.0f} tokens/s | MFU {100 * avg['mfu']:.2f}% | "
+                     f"peak mem {peak_mem / 2**30:.2f} GiB{straggler}")
         if t.save_dir and ((t.save_interval and step % t.save_interval == 0) or step == t.steps):
             result.checkpoint = run.save(t.save_dir)
-            echo(f"step {step}: saved checkpoint {result.checkpoint}")
-    bar.close()
+            log.info(f"step {step}: saved checkpoint {result.checkpoint}")
+    if bar is not None:
+        bar.close()
     run.finish_saves()
-    log.close()
+    run_log.close()
     if t.sample_tokens and run.tokenizer is not None:
         result.sample = run.sample(t.sample_tokens, t.sample_prompt, t.seed)
-        say("-" * 30 + " sample " + "-" * 30 + f"\n{result.sample}\n" + "-" * 68)
+        if main:  # the sample is the command's output, not a message
+            print("-" * 30 + " sample " + "-" * 30 + f"\n{result.sample}\n" + "-" * 68, flush=True)
     return result
