@@ -6,17 +6,21 @@ from __future__ import annotations
 import torch
 
 from fxmega.core import tree
-from fxmega.models import family_name, model_for
+from fxmega.models import family_name, model_for, pieces
 from fxmega.ops.init import count_params, meta_params
 from fxmega.training.metrics import model_flops_per_token
 
 
 def check_shapes(model_cfg: object, seq_len: int, batch: int = 1) -> tuple[int, ...]:
-    """Run the forward pass on the meta device; returns the logits shape."""
+    """Run the forward pass, piece by piece as every step does, on the meta device; returns
+    the logits shape."""
     model = model_for(model_cfg)
     params = meta_params(model.param_specs(model_cfg))
-    tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
-    logits = model.forward(params, tokens, model_cfg)
+    x = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    x = model.embed(pieces.top(model.EMBED_PARAMS, params), x, model_cfg)
+    for _, block in pieces.blocks_of(params):
+        x = model.block(block, x, model_cfg)
+    logits = model.head(pieces.top(model.HEAD_PARAMS, params), x, model_cfg)
     expected = (batch, seq_len, model_cfg.vocab_size)
     if tuple(logits.shape) != expected:
         raise AssertionError(f"forward returned logits of shape {tuple(logits.shape)}, expected {expected}")

@@ -254,7 +254,8 @@ def explain(plan: ShardingPlan) -> str:
             pl += f" | opt {opt}"
         if plan.pipeline is not None:
             pl += " @ pp " + ",".join(map(str, plan.pp_owners(p.path)))
-        rows.append((p.path, str(list(p.shape)), "(" + ", ".join(p.axes) + ")", pl, str(list(p.local_shape())),
+        axes = "(" + ", ".join(map(str, p.axes)) + ")"  # None: a dimension no rule splits
+        rows.append((p.path, str(list(p.shape)), axes, pl, str(list(p.local_shape())),
                      format_bytes(p.local_numel() * BYTES_PER_ELEMENT)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for i, r in enumerate(rows):
