@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks behind the README's GPU numbers, in one script (a lent GPU has minutes,
+# The GPU checks behind the GPU numbers in docs/benchmarks.md, in one script (a lent GPU has minutes,
 # not hours): compiled vs eager on CUDA, the default run, and the step benchmark.
 # Usage: bash bench/gpu.sh OUT_DIR   (runs from the repository root, no install needed)
 set -uo pipefail
