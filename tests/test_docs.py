@@ -1,7 +1,9 @@
 """The documentation's commands work: every ``python run.py`` line in README.md and docs/
 parses with today's parsers (a renamed or moved flag fails here), and its config, where the
-page names one that exists, validates with the flags applied. The two how-tos are walked
-through: their files are written into an empty directory and their commands run."""
+page names one that exists, validates with the flags applied; a line shown failing fails
+with the message shown; every planning command (any mesh, one process) runs. The two
+how-tos are walked through: their files are written into an empty directory and their
+commands run."""
 
 from __future__ import annotations
 
@@ -66,6 +68,21 @@ def test_documented_command_parses(page, argv, error, capsys):
     else:  # a file the page itself writes (the how-tos), a placeholder, or a checkpoint's config
         assert args.config in {*files(ROOT / page), None} or args.config.isupper() or \
             args.command in FROM_CHECKPOINT, args.config
+
+
+HOWTOS = ("docs/howto-model-family.md", "docs/howto-sharding-rules.md")  # walked through below
+# the planning commands run in seconds on any mesh size: every page's are run, once each
+PLANS = sorted({(page, tuple(argv)) for page, argv, error in ALL
+                if not error and page not in HOWTOS and parse_args(argv).command in ("plan", "summary")})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page,argv", PLANS, ids=[f"{p}:{' '.join(a)[:60]}" for p, a in PLANS])
+def test_documented_planning_commands_run(page, argv, tmp_path, monkeypatch, capsys):
+    argv = [str(ROOT / w) if w.startswith("configs/") else w for w in argv]
+    monkeypatch.chdir(tmp_path)  # what they write (--plan-html, --dump-kernels) goes here
+    assert main(argv) == 0, argv
+    assert capsys.readouterr().out.strip()
 
 
 @pytest.fixture
