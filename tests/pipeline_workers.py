@@ -12,6 +12,7 @@ from fxmega.core import tree
 from fxmega.sharding import distributed
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.training.run import Run
+from tests.parity import record
 from tests.sharding_workers import BUCKET, tiny_config
 
 # tiny models with 4 blocks, so that 2 ranks x 2 virtual stages each get one
@@ -20,7 +21,7 @@ FOUR_BLOCKS = ("model.n_layers=4",)
 
 def pipelined(runs: list[tuple[str, dict, bool, tuple]], steps: int) -> dict | None:
     """Train each (name, parallel config, compile, extra overrides) for ``steps`` steps;
-    rank 0 returns the losses, validation loss and full parameters of each."""
+    rank 0 returns each one's record (tests.parity) and validation loss."""
     out = {}
     for name, parallel, compile, extra in runs:
         model = parallel.pop("model", "tiny_gpt")
@@ -30,13 +31,11 @@ def pipelined(runs: list[tuple[str, dict, bool, tuple]], steps: int) -> dict | N
         torch._dynamo.reset()
         counters.clear()
         run = Run(cfg, par, device)
-        metrics = [run.do_step() for _ in range(steps)]
+        result = record(run, steps)
+        result.pop("metrics")
         graphs = counters["stats"]["unique_graphs"]  # of the training steps
-        valid = run.evaluate()
-        full = {p: t.detach().clone() for p, t in tree.items(run.full_params())}
         local = {p: t.detach().clone() for p, t in tree.items(run.params)}
-        out[name] = {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
-                     "valid": valid, "params": full, "local": local, "coords": par.groups.coords,
+        out[name] = {**result, "valid": run.evaluate(), "local": local, "coords": par.groups.coords,
                      "graphs": graphs}
     return out if torch.distributed.get_rank() == 0 else _rank_result(out)
 
@@ -75,7 +74,7 @@ def partial_loss_mask(parallel: dict, steps: int) -> dict | None:
                               parallel=ParallelConfig(bucket_size=BUCKET, **parallel))
     par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
     run = masked_run(cfg, par, device)
-    metrics = [run.do_step() for _ in range(steps)]
-    out = {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
-           "valid": run.evaluate()}
+    out = record(run, steps)
+    out.pop("metrics")
+    out["valid"] = run.evaluate()
     return out if torch.distributed.get_rank() == 0 else None

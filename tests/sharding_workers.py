@@ -13,8 +13,10 @@ from fxmega.core.memory import current_bytes, peak_bytes, reset_peak
 from fxmega.sharding import distributed
 from fxmega.sharding.inspect import record_collectives
 from fxmega.sharding.mesh import MeshSpec
+from fxmega.sharding.runtime import Parallel
 from fxmega.training.run import Run
 from tests.multirank import ROOT
+from tests.parity import record
 
 # name -> parallel config; every one runs on 2 ranks
 STRATEGIES = {
@@ -44,19 +46,22 @@ def tiny_config(parallel: dict | None = None, compile: bool = True, model: str =
     return cfg
 
 
-def _train(cfg, steps: int, record: bool):
+def train(cfg, steps: int, collectives: bool) -> tuple[Parallel, dict, list]:
+    """``steps`` steps of ``cfg`` on this rank: the plan, the run's record (tests.parity)
+    and, with ``collectives``, the collectives of each compiled graph."""
     par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
     run = Run(cfg, par, device)
     torch._dynamo.reset()
     counters.clear()
-    if record:
+    graphs = []
+    if collectives:
         with record_collectives() as graphs:
-            metrics = [run.do_step() for _ in range(steps)]
+            result = record(run, steps)
     else:
-        graphs, metrics = [], [run.do_step() for _ in range(steps)]
+        result = record(run, steps)
     labels = par.groups.labels()
-    collectives = [[(c.op, labels.get(c.group, c.group), c.shape, c.bytes_sent_per_rank) for c in g] for g in graphs]
-    return run, par, metrics, collectives
+    return par, result, [[(c.op, labels.get(c.group, c.group), c.shape, c.bytes_sent_per_rank) for c in g]
+                         for g in graphs]
 
 
 def strategies(names: list[str], steps: int) -> dict | None:
@@ -65,10 +70,9 @@ def strategies(names: list[str], steps: int) -> dict | None:
     out = {}
     for name in names:
         extra = () if name in INDUCTOR_STRATEGIES else AOT_EAGER
-        run, par, metrics, collectives = _train(tiny_config(STRATEGIES[name], extra=extra), steps, record=True)
-        full = {path: t.detach().clone() for path, t in tree.items(run.full_params())}
-        out[name] = {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
-                     "params": full, "graphs": counters["stats"]["unique_graphs"],
+        par, result, collectives = train(tiny_config(STRATEGIES[name], extra=extra), steps, collectives=True)
+        result.pop("metrics")
+        out[name] = {**result, "graphs": counters["stats"]["unique_graphs"],
                      "collectives": collectives, "n_params": len(par.shards.layouts),
                      "local_numels": [lay.local_numel("grad") for lay in par.shards.layouts],
                      "zero_dims": [lay.zero_dim for lay in par.shards.layouts]}
@@ -79,11 +83,9 @@ def four_ranks(steps: int) -> dict | None:
     """dp2 x tp2 with sequence parallelism and ZeRO-1, on the tiny Llama (GQA, RoPE)."""
     cfg = tiny_config(dict(mesh="dp=2,tp=2", rules="zero1", sequence_parallel=True), model="tiny_llama",
                       extra=AOT_EAGER)
-    run, _, metrics, collectives = _train(cfg, steps, record=True)
-    full = {path: t.detach().clone() for path, t in tree.items(run.full_params())}
-    result = {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
-              "params": full, "graphs": counters["stats"]["unique_graphs"],
-              "collectives": collectives}
+    _, result, collectives = train(cfg, steps, collectives=True)
+    result.pop("metrics")
+    result |= {"graphs": counters["stats"]["unique_graphs"], "collectives": collectives}
     return result if torch.distributed.get_rank() == 0 else None
 
 
@@ -209,13 +211,13 @@ def bert_config(parallel: dict | None = None):
 
 def bert_mlm(runs: dict[str, dict], steps: int) -> dict | None:
     """Masked-LM steps of the tiny BERT on each mesh of ``runs`` (name -> parallel config),
-    eagerly, in one process group: per run the losses, gradient norms and validation loss."""
+    eagerly, in one process group: per run its record (tests.parity) and validation loss."""
     out = {}
     for name, parallel in runs.items():
         cfg = bert_config(parallel)
         par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
         run = Run(cfg, par, device)
-        metrics = [run.do_step() for _ in range(steps)]
-        out[name] = {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
-                     "valid": run.evaluate()}  # every rank takes part
+        out[name] = record(run, steps)
+        out[name].pop("metrics")
+        out[name]["valid"] = run.evaluate()  # every rank takes part
     return out if torch.distributed.get_rank() == 0 else None

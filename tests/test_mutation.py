@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fxmega.core import tree
 from fxmega.sharding.grad_sync import GradientSync
 from fxmega.training.run import Run
 from tests.multirank import run_ranks
-from tests.parity import assert_matches_one_device
-from tests.sharding_workers import AOT_EAGER, STRATEGIES, _train, tiny_config
+from tests.parity import assert_gradients_match, assert_matches_one_device, record
+from tests.sharding_workers import AOT_EAGER, STRATEGIES, tiny_config, train
 
 STEPS = 3
 
@@ -32,20 +31,22 @@ def dp2_runs(steps: int) -> dict | None:
     for name, patch in (("right", right), ("doubled", doubled)):
         GradientSync.final_grads = patch
         try:
-            run, _, metrics, _ = _train(tiny_config(STRATEGIES["dp2"], extra=AOT_EAGER), steps, record=False)
+            _, out[name], _ = train(tiny_config(STRATEGIES["dp2"], extra=AOT_EAGER), steps, collectives=False)
         finally:
             GradientSync.final_grads = right
-        out[name] = {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
-                     "params": {p: t.detach().clone() for p, t in tree.items(run.full_params())}}
+        out[name].pop("metrics")
     return out if torch.distributed.get_rank() == 0 else None
 
 
 @pytest.mark.slow
 def test_parity_check_fails_on_a_doubled_gradient_bucket():
-    one = Run(tiny_config(compile=False))
-    ref = [one.do_step() for _ in range(STEPS)]
-    ref_params = {p: t.detach() for p, t in tree.items(one.params)}
+    cfg = tiny_config(compile=False)
+    ref = record(Run(cfg), STEPS)
     got = run_ranks(2, "tests.test_mutation:dp2_runs", STEPS)[0]
-    assert_matches_one_device(got["right"], ref, ref_params, one.cfg, "dp2")
+    assert_matches_one_device(got["right"], ref, cfg, "dp2")
     with pytest.raises(AssertionError, match="dp2 doubled grad norm at step 1"):
-        assert_matches_one_device(got["doubled"], ref, ref_params, one.cfg, "dp2 doubled")
+        assert_matches_one_device(got["doubled"], ref, cfg, "dp2 doubled")
+    # and the per-parameter gradients alone see it, naming a parameter of the first bucket
+    with pytest.raises(AssertionError, match="dp2 doubled gradient of .* after step 1"):
+        assert_gradients_match(got["doubled"]["first_moment"], ref["first_moment"], cfg, "dp2 doubled")
+    assert_gradients_match(got["right"]["first_moment"], ref["first_moment"], cfg, "dp2")

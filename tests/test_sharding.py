@@ -15,7 +15,7 @@ from fxmega.core import tree
 from fxmega.sharding.collectives import buckets
 from fxmega.training.run import Run
 from tests.multirank import run_ranks
-from tests.parity import assert_matches_one_device, unpad
+from tests.parity import assert_matches_one_device, record, unpad
 from tests.sharding_workers import BUCKET, MEMORY_ENV, STRATEGIES, tiny_config
 from tests.tolerance import assert_within_rounding
 
@@ -24,9 +24,7 @@ STEPS = 5
 
 @pytest.fixture(scope="module")
 def reference():
-    run = Run(tiny_config(compile=False))
-    metrics = [run.do_step() for _ in range(STEPS)]
-    return metrics, {p: t.detach() for p, t in tree.items(run.params)}
+    return record(Run(tiny_config(compile=False)), STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +34,8 @@ def results():
 
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_strategy_matches_single_device(results, reference, name):
-    ref_metrics, ref_params = reference
     r = results[name]
-    assert_matches_one_device(r, ref_metrics, ref_params, tiny_config(), name)
+    assert_matches_one_device(r, reference, tiny_config(), name)
     padded = r["params"]["embed.tokens"]
     if name.startswith("tp"):
         assert padded.shape[0] == 256 and torch.all(padded[255] == 0)  # padding row never learns
@@ -116,12 +113,12 @@ def test_sequence_parallel_gathers_only_activations(results):
 
 
 @pytest.mark.slow
-def test_dp2_tp2_four_ranks_match_single_device(reference):
+def test_dp2_tp2_four_ranks_match_single_device():
     # tiny Llama here (GQA, RoPE), with sequence parallelism and ZeRO-1
-    run = Run(tiny_config(compile=False, model="tiny_llama"))
-    ref = [run.do_step() for _ in range(STEPS)]
+    cfg = tiny_config(compile=False, model="tiny_llama")
+    ref = record(Run(cfg), STEPS)
     r = run_ranks(4, "tests.sharding_workers:four_ranks", STEPS)[0]
-    assert_matches_one_device(r, ref, {p: t.detach() for p, t in tree.items(run.params)}, run.cfg, "dp2 x tp2")
+    assert_matches_one_device(r, ref, cfg, "dp2 x tp2")
     assert r["graphs"] == 1
     groups = Counter(group for op, group, _, _ in r["collectives"][0])
     assert groups["tp"] > 0 and groups["dp"] > 0

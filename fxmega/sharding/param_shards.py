@@ -82,11 +82,12 @@ class ParamShards:
         """Every parameter gathered to its full (padded) value on every rank (eager)."""
         return [self.as_dtensor(t.detach(), lay, kind).full_tensor() for t, lay in zip(flat, self.layouts)]
 
-    def full_params(self, params: tree.Tree, full_specs: tree.Tree) -> tree.Tree:
+    def full_params(self, params: tree.Tree, full_specs: tree.Tree, kind: str = "param") -> tree.Tree:
         """The whole model (``full_specs``' tree) as full (padded) tensors on every rank, from
-        this rank's shards ``params`` (every rank takes part). Pipeline stages are exchanged
-        with an all_gather_object over pp: for checking small models, not for 70B."""
-        flat = self.full_tensors(tree.leaves(params))
+        this rank's shards ``params`` (every rank takes part); ``kind="opt"`` gathers a tree
+        laid out as the optimizer state is (ZeRO shards it further). Pipeline stages are
+        exchanged with an all_gather_object over pp: for checking small models, not for 70B."""
+        flat = self.full_tensors(tree.leaves(params), kind)
         if self.plan.pipeline is None:
             return tree.unflatten_like(full_specs, flat)
         device = flat[0].device if flat else torch.device("cpu")

@@ -166,6 +166,16 @@ class Run:
             return self.params
         return self.parallel.shards.full_params(self.params, self.specs)
 
+    def full_opt_state(self, name: str) -> dict:
+        """The optimizer state ``name`` (AdamW: ``exp_avg`` or ``exp_avg_sq``) as full tensors
+        in the parameter tree, on every rank (every rank takes part). After the first step
+        ``exp_avg`` is (1 - beta1) times the clipped global gradient: what the parity tests
+        compare parameter by parameter."""
+        local = tree.unflatten_like(self.local_specs, self.opt_state[name])
+        if self.parallel is None:
+            return local
+        return self.parallel.shards.full_params(local, self.specs, kind="opt")
+
     def save(self, root: str) -> str:
         """Save a checkpoint of this step under ``root`` (asynchronously with
         ``train.async_save``: it is finished by the next save or ``finish_saves``)."""
