@@ -1,4 +1,4 @@
-"""orbax interop (runs where the `orbax` extra is installed; CI does not install jax):
+"""orbax interop (runs where the `orbax` extra is installed; `make` installs it with dev):
 fxmega checkpoint -> orbax pytree -> fxmega checkpoint gives the same parameters, and JAX
 reads the arrays."""
 
@@ -12,6 +12,7 @@ from fxmega.cli import main
 from fxmega.config import load, override
 from fxmega.core import tree
 from fxmega.core.errors import CheckpointError
+from fxmega.storage.orbax_io import from_orbax
 from fxmega.training.run import Run
 from tests.conftest import ROOT
 
@@ -40,7 +41,6 @@ def test_round_trip_through_orbax(tmp_path, capsys):
 
 
 def test_orbax_without_model_description_is_a_clear_error(tmp_path):
-    from fxmega.storage.orbax_io import from_orbax
-
-    with pytest.raises(CheckpointError, match="has no usable fxmega_model.json"):
+    with pytest.raises(CheckpointError, match="fxmega_model.json does not exist; export it with run.py convert "
+                                              "--to-orbax"):
         from_orbax(tmp_path)
