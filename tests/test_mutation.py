@@ -1,14 +1,17 @@
 """The parity check can fail: a data-parallel run whose first gradient bucket is doubled
 after its all-reduce (a wrong gradient scale on part of the model, the bug AdamW hides in
 the parameters) must fail ``tests.parity.assert_matches_one_device``, the check every
-parallel-equals-one-device test makes, while the same run unmutated passes it."""
+parallel-equals-one-device test makes, while the same run unmutated passes it; and so must a
+tensor-parallel run whose row-parallel partial sums are left unreduced."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor, Partial
 
 from fxmega.sharding.grad_sync import GradientSync
+from fxmega.sharding.tp_layouts import TensorParallelLayouts
 from fxmega.training.run import Run
 from tests.multirank import run_ranks
 from tests.parity import assert_gradients_match, assert_matches_one_device, record
@@ -50,3 +53,37 @@ def test_parity_check_fails_on_a_doubled_gradient_bucket():
     with pytest.raises(AssertionError, match="dp2 doubled gradient of .* after step 1"):
         assert_gradients_match(got["doubled"]["first_moment"], ref["first_moment"], cfg, "dp2 doubled")
     assert_gradients_match(got["right"]["first_moment"], ref["first_moment"], cfg, "dp2")
+
+
+def tp2_runs(steps: int) -> dict | None:
+    """tp=2 trained twice on the same ranks: as it is, and with the row-parallel partial sums
+    left unreduced (each rank goes on with its own half of the attention and MLP outputs:
+    the all-reduce Megatron's row-parallel layers need, dropped)."""
+    out = {}
+    right = TensorParallelLayouts.constrain
+
+    def dropped(self: TensorParallelLayouts, x: torch.Tensor, axes) -> torch.Tensor:
+        # plain Partial: the row-parallel outputs (the embedding's masked partial keeps its reduction)
+        if isinstance(x, DTensor) and any(type(p) is Partial for p in x.placements):
+            return DTensor.from_local(x.to_local(), self.tp_mesh, self.placement(axes), run_check=False)
+        return right(self, x, axes)
+
+    for name, patch in (("right", right), ("dropped", dropped)):
+        TensorParallelLayouts.constrain = patch
+        try:
+            # eagerly: dynamo does not trace the patched layout function
+            _, out[name], _ = train(tiny_config(STRATEGIES["tp2"], compile=False), steps, collectives=False)
+        finally:
+            TensorParallelLayouts.constrain = right
+        out[name].pop("metrics")
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.mark.slow
+def test_parity_check_fails_on_a_dropped_tensor_parallel_partial_sum():
+    cfg = tiny_config(compile=False)
+    ref = record(Run(cfg), STEPS)
+    got = run_ranks(2, "tests.test_mutation:tp2_runs", STEPS)[0]
+    assert_matches_one_device(got["right"], ref, cfg, "tp2")
+    with pytest.raises(AssertionError, match="tp2 dropped loss at step 1"):
+        assert_matches_one_device(got["dropped"], ref, cfg, "tp2 dropped")
