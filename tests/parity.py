@@ -27,14 +27,14 @@ class Recordable(Protocol):  # what record() reads: fxmega.training.run.Run
 def record(run: Recordable, steps: int) -> dict:
     """Train ``steps`` steps; losses, gradient norms, the full parameters after the last step
     and the full first moment after the first (every rank takes part; CPU copies)."""
-    metrics, first_moment = [], None
+    metrics, first_moment = [], None  # the first moment is read after step 1
     for step in range(steps):
         metrics.append(run.do_step())
         if step == 0:
             first_moment = {p: t.detach().cpu().clone() for p, t in tree.items(run.full_opt_state("exp_avg"))}
     return {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
             "params": {p: t.detach().cpu().clone() for p, t in tree.items(run.full_params())},
-            "first_moment": first_moment, "metrics": metrics}
+            "first_moment": first_moment}
 
 
 def unpad(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

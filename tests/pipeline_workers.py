@@ -32,7 +32,6 @@ def pipelined(runs: list[tuple[str, dict, bool, tuple]], steps: int) -> dict | N
         counters.clear()
         run = Run(cfg, par, device)
         result = record(run, steps)
-        result.pop("metrics")
         graphs = counters["stats"]["unique_graphs"]  # of the training steps
         local = {p: t.detach().clone() for p, t in tree.items(run.params)}
         out[name] = {**result, "valid": run.evaluate(), "local": local, "coords": par.groups.coords,
@@ -75,6 +74,5 @@ def partial_loss_mask(parallel: dict, steps: int) -> dict | None:
     par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
     run = masked_run(cfg, par, device)
     out = record(run, steps)
-    out.pop("metrics")
     out["valid"] = run.evaluate()
     return out if torch.distributed.get_rank() == 0 else None

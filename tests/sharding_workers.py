@@ -71,7 +71,6 @@ def strategies(names: list[str], steps: int) -> dict | None:
     for name in names:
         extra = () if name in INDUCTOR_STRATEGIES else AOT_EAGER
         par, result, collectives = train(tiny_config(STRATEGIES[name], extra=extra), steps, collectives=True)
-        result.pop("metrics")
         out[name] = {**result, "graphs": counters["stats"]["unique_graphs"],
                      "collectives": collectives, "n_params": len(par.shards.layouts),
                      "local_numels": [lay.local_numel("grad") for lay in par.shards.layouts],
@@ -84,7 +83,6 @@ def four_ranks(steps: int) -> dict | None:
     cfg = tiny_config(dict(mesh="dp=2,tp=2", rules="zero1", sequence_parallel=True), model="tiny_llama",
                       extra=AOT_EAGER)
     _, result, collectives = train(cfg, steps, collectives=True)
-    result.pop("metrics")
     result |= {"graphs": counters["stats"]["unique_graphs"], "collectives": collectives}
     return result if torch.distributed.get_rank() == 0 else None
 
@@ -218,6 +216,5 @@ def bert_mlm(runs: dict[str, dict], steps: int) -> dict | None:
         par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
         run = Run(cfg, par, device)
         out[name] = record(run, steps)
-        out[name].pop("metrics")
         out[name]["valid"] = run.evaluate()  # every rank takes part
     return out if torch.distributed.get_rank() == 0 else None

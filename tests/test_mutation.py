@@ -23,7 +23,6 @@ STEPS = 3
 def dp2_runs(steps: int) -> dict | None:
     """dp=2 trained twice on the same ranks: as it is, and with the first all-reduce bucket's
     gradients doubled (this process only: the class is patched before the step compiles)."""
-    out = {}
     right = GradientSync.final_grads
 
     def doubled(self: GradientSync, grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -31,13 +30,21 @@ def dp2_runs(steps: int) -> dict | None:
         first = set(self._replica[0][3])  # tensor indices of the first all-reduce bucket
         return [g * 2 if i in first else g for i, g in enumerate(reduced)]
 
-    for name, patch in (("right", right), ("doubled", doubled)):
-        GradientSync.final_grads = patch
+    cfg = tiny_config(STRATEGIES["dp2"], extra=AOT_EAGER)
+    return _right_and_mutated(GradientSync, "final_grads", doubled, cfg, steps)
+
+
+def _right_and_mutated(cls: type, method: str, mutated, cfg, steps: int) -> dict | None:
+    """``cfg`` trained twice on these ranks, as it is ("right") and with ``cls.method``
+    replaced by ``mutated`` ("mutated"; this process only, restored after): each run's
+    record on rank 0."""
+    out, right = {}, getattr(cls, method)
+    for name, patch in (("right", right), ("mutated", mutated)):
+        setattr(cls, method, patch)
         try:
-            _, out[name], _ = train(tiny_config(STRATEGIES["dp2"], extra=AOT_EAGER), steps, collectives=False)
+            _, out[name], _ = train(cfg, steps, collectives=False)
         finally:
-            GradientSync.final_grads = right
-        out[name].pop("metrics")
+            setattr(cls, method, right)
     return out if torch.distributed.get_rank() == 0 else None
 
 
@@ -48,10 +55,10 @@ def test_parity_check_fails_on_a_doubled_gradient_bucket():
     got = run_ranks(2, "tests.test_mutation:dp2_runs", STEPS)[0]
     assert_matches_one_device(got["right"], ref, cfg, "dp2")
     with pytest.raises(AssertionError, match="dp2 doubled grad norm at step 1"):
-        assert_matches_one_device(got["doubled"], ref, cfg, "dp2 doubled")
+        assert_matches_one_device(got["mutated"], ref, cfg, "dp2 doubled")
     # and the per-parameter gradients alone see it, naming a parameter of the first bucket
     with pytest.raises(AssertionError, match="dp2 doubled gradient of .* after step 1"):
-        assert_gradients_match(got["doubled"]["first_moment"], ref["first_moment"], cfg, "dp2 doubled")
+        assert_gradients_match(got["mutated"]["first_moment"], ref["first_moment"], cfg, "dp2 doubled")
     assert_gradients_match(got["right"]["first_moment"], ref["first_moment"], cfg, "dp2")
 
 
@@ -59,7 +66,6 @@ def tp2_runs(steps: int) -> dict | None:
     """tp=2 trained twice on the same ranks: as it is, and with the row-parallel partial sums
     left unreduced (each rank goes on with its own half of the attention and MLP outputs:
     the all-reduce Megatron's row-parallel layers need, dropped)."""
-    out = {}
     right = TensorParallelLayouts.constrain
 
     def dropped(self: TensorParallelLayouts, x: torch.Tensor, axes) -> torch.Tensor:
@@ -68,15 +74,9 @@ def tp2_runs(steps: int) -> dict | None:
             return DTensor.from_local(x.to_local(), self.tp_mesh, self.placement(axes), run_check=False)
         return right(self, x, axes)
 
-    for name, patch in (("right", right), ("dropped", dropped)):
-        TensorParallelLayouts.constrain = patch
-        try:
-            # eagerly: dynamo does not trace the patched layout function
-            _, out[name], _ = train(tiny_config(STRATEGIES["tp2"], compile=False), steps, collectives=False)
-        finally:
-            TensorParallelLayouts.constrain = right
-        out[name].pop("metrics")
-    return out if torch.distributed.get_rank() == 0 else None
+    # eagerly: dynamo does not trace the patched layout function
+    cfg = tiny_config(STRATEGIES["tp2"], compile=False)
+    return _right_and_mutated(TensorParallelLayouts, "constrain", dropped, cfg, steps)
 
 
 @pytest.mark.slow
@@ -86,4 +86,4 @@ def test_parity_check_fails_on_a_dropped_tensor_parallel_partial_sum():
     got = run_ranks(2, "tests.test_mutation:tp2_runs", STEPS)[0]
     assert_matches_one_device(got["right"], ref, cfg, "tp2")
     with pytest.raises(AssertionError, match="tp2 dropped loss at step 1"):
-        assert_matches_one_device(got["dropped"], ref, cfg, "tp2 dropped")
+        assert_matches_one_device(got["mutated"], ref, cfg, "tp2 dropped")
