@@ -229,8 +229,17 @@ def test_config_errors(task):
     cfg = _cfg("tiny_gpt")
     with pytest.raises(ConfigError, match="compute.loss_chunk=4 chunks the projection onto the vocabulary"):
         ft.finetune(dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, loss_chunk=4)), *task)
-    with pytest.raises(ConfigError, match="compute.precision=fp16"):
-        ft.finetune(dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, precision="fp16")), *task)
+
+
+def test_fp16_finetune_scales_the_loss_and_learns(task):
+    # the fine-tune is a Run, so fp16 gets the pre-training loss scaler (once refused here)
+    cfg = _cfg("tiny_gpt")
+    cfg = dataclasses.replace(cfg, compute=dataclasses.replace(cfg.compute, precision="fp16"))
+    job = ft.FineTune(cfg, *task, tokenizer=BYTES)
+    assert job.run.scaler is not None
+    out = ft.finetune(cfg, *task, tokenizer=BYTES)
+    assert all(math.isfinite(x) for x in out["train_losses"])
+    assert out["valid_accuracy"] >= 0.8, out
 
 
 def test_finetune_command_line(tmp_path, capsys):
@@ -269,30 +278,36 @@ def _mesh_cfg(name: str, parallel: dict | None = None):
                                                                                               **parallel))
 
 
+def _record_finetune(cfg, train_path: str, valid_path: str) -> dict:
+    """What every parity test records (``tests.parity.record``: losses, gradient norms,
+    first-step gradients, final parameters), and the validation loss and accuracy."""
+    from tests.parity import record
+
+    job = ft.FineTune(cfg, train_path, valid_path, tokenizer=BYTES)
+    out = record(job.run, MESH_STEPS)
+    out["valid_loss"], out["valid_accuracy"] = job.validate()
+    return out
+
+
 def finetune_on_meshes(names: list[str], train_path: str, valid_path: str) -> dict | None:
-    """Each run of ``names`` on this rank's mesh: losses, gradient norms, validation (rank 0)."""
-    out = {}
-    for name in names:
-        model, parallel = FINETUNE_MESHES[name]
-        r = ft.finetune(_mesh_cfg(model, parallel), train_path, valid_path, tokenizer=BYTES)
-        out[name] = {k: r[k] for k in ("train_losses", "grad_norms", "valid_loss", "valid_accuracy")}
+    """Each run of ``names`` on this rank's mesh, recorded (rank 0 returns them)."""
+    out = {name: _record_finetune(_mesh_cfg(*FINETUNE_MESHES[name]), train_path, valid_path) for name in names}
     return out if torch.distributed.get_rank() == 0 else None
 
 
 @pytest.mark.slow
 def test_finetune_on_dp_zero3_tp_and_pp_matches_one_device(task):
     from tests.multirank import run_ranks
-    from tests.tolerance import assert_losses_match
+    from tests.parity import assert_matches_one_device
 
     got = run_ranks(2, "tests.test_finetune:finetune_on_meshes", list(FINETUNE_MESHES), *task)[0]
     for model in ("tiny_gpt", "tiny_bert"):
         cfg = _mesh_cfg(model)
-        ref = ft.finetune(cfg, *task, tokenizer=BYTES)
+        ref = _record_finetune(cfg, *task)
         for name, (m, _) in FINETUNE_MESHES.items():
             if m != model:
                 continue
-            # the mesh sums in other orders; the gradient norm shows a wrong gradient scale
-            assert_losses_match(got[name]["train_losses"], ref["train_losses"], cfg, f"{name} loss")
-            assert_losses_match(got[name]["grad_norms"], ref["grad_norms"], cfg, f"{name} grad norm")
+            # losses and gradient norms per step, every gradient after step 1, the parameters after the last
+            assert_matches_one_device(got[name], ref, cfg, name)
             assert got[name]["valid_loss"] == pytest.approx(ref["valid_loss"], rel=run_rtol(cfg, MESH_STEPS + 1))
             assert got[name]["valid_accuracy"] == ref["valid_accuracy"]

@@ -17,10 +17,11 @@ from fxmega.core import precision, tree
 from fxmega.core.device import pick_device, set_deterministic
 from fxmega.core.errors import ConfigError
 from fxmega.core.log import get_logger
-from fxmega.data.sources import build_data
+from fxmega.data.sources import Data, build_data
 from fxmega.inference.generate import sample_text
 from fxmega.inference.generate_parallel import generate_on_mesh
 from fxmega.models import family_name, loss_by_pieces, model_for
+from fxmega.models.registry import ModelFamily
 from fxmega.ops import kernels, recompute
 from fxmega.ops.init import init_params
 from fxmega.ops.objectives import global_count
@@ -38,12 +39,11 @@ from fxmega.training.step import EvalStep, TrainStep, trainable
 log = get_logger(__name__)
 
 
-def check_compute(cfg: RunConfig, parallel: Parallel | None, device: torch.device) -> None:
+def check_compute(cfg: RunConfig, parallel: Parallel | None, device: torch.device, model: ModelFamily) -> None:
     """Refuse, before anything is built, the ``compute`` options this model and mesh cannot
     honour (no silent fallback)."""
     c = cfg.compute
     kernels.check_available(c.kernels, device)
-    model = model_for(cfg.model)
     if c.loss_chunk and not (hasattr(model, "final_hidden") and hasattr(model, "output_weight")):
         raise ConfigError(f"compute.loss_chunk={c.loss_chunk}: the {family_name(cfg.model)} head is not a final norm "
                           f"and one output projection (final_hidden, output_weight), which the chunked loss "
@@ -77,9 +77,14 @@ class Run:
     """What a run is built of — the config, the model and its specs, the compiled steps, the
     data, the checkpointer — around its ``state`` (a ``TrainState``: parameters, optimizer
     state, counters, loss scaler), on one device or, with ``parallel``, this rank's shards.
-    ``do_step`` advances the state by one optimizer step; the loop is ``train.train``."""
+    ``do_step`` advances the state by one optimizer step; the loop is ``train.train``.
 
-    def __init__(self, cfg: RunConfig, parallel: Parallel | None = None, device: torch.device | None = None) -> None:
+    ``model`` and ``data`` default to the config's family and its objective's token data;
+    fine-tuning (``training.finetune``) passes a classifier and labelled rows instead, and
+    trains through the same steps."""
+
+    def __init__(self, cfg: RunConfig, parallel: Parallel | None = None, device: torch.device | None = None,
+                 model: ModelFamily | None = None, data: Data | None = None) -> None:
         self.parallel = parallel
         data_size = parallel.groups.data_size if parallel is not None else 1
         self.cfg = cfg.validate(data_size)
@@ -87,9 +92,9 @@ class Run:
         if t.deterministic:
             set_deterministic()
         self.device = device or pick_device(t.device)
-        check_compute(cfg, parallel, self.device)
+        self.model = model if model is not None else model_for(cfg.model)
+        check_compute(cfg, parallel, self.device, self.model)
         self.compute_dtype = precision.compute_dtype(cfg.compute.precision)
-        self.model = model_for(cfg.model)
         self.specs = self.model.param_specs(cfg.model)
         # the parameters this process holds: all of them, or its pipeline stages' (global paths)
         self.local_specs = self.specs if parallel is None else parallel.specs
@@ -99,11 +104,11 @@ class Run:
         if parallel is None:
             params = trainable(init_params(self.specs, t.seed, self.device))
             opt_state = adamw_init(tree.leaves(params))
-            loss_sum = one_device_loss_sum(self.specs, cfg.model, cfg.compute)
+            loss_sum = one_device_loss_sum(self.specs, cfg.model, cfg.compute, self.model)
         else:
             params = parallel.shards.init_params(t.seed, self.device)
             opt_state = parallel.shards.init_opt_state(self.device)
-            loss_sum = parallel.loss_sum_fn(loss_by_pieces(cfg.model, parallel.compute))
+            loss_sum = parallel.loss_sum_fn(loss_by_pieces(cfg.model, parallel.compute, self.model))
         if self.pipelined:  # PipelineStage registers the stage's parameters as nn.Parameters (same storage)
             params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), params)
         self.state = TrainState(params, opt_state, scaler=precision.scaler_for(cfg.compute))
@@ -124,7 +129,7 @@ class Run:
         self._local_paths = tree.paths(self.local_specs)  # what a non-finite report names
         self._rank = 0 if parallel is None else parallel.rank
         self._say = log.info if self._rank == 0 else (lambda text: None)
-        self.data = build_data(cfg, self.model.objective(cfg.model).name)
+        self.data = data if data is not None else build_data(cfg, self.model.objective(cfg.model).name)
         self.train_data, self.valid_data, self.tokenizer = self.data.train, self.data.valid, self.data.tokenizer
 
     # the state's fields, read and written through the run (checkpoints, generation, tests)
