@@ -201,7 +201,9 @@ def _build(cls: type, values: Any, where: str) -> Any:
     if unknown:
         raise ConfigError(f"{where} has {', '.join(unknown)}, which {cls.__name__} does not know (written by another "
                           f"version of fxmega?): give --config")
-    return cls(**values)
+    hints = typing.get_type_hints(cls)  # nested sections (a model's rope_scaling) are dicts in the file
+    return cls(**{k: _build(hints[k], v, f"{where}.{k}") if dataclasses.is_dataclass(hints[k]) else v
+                  for k, v in values.items()})
 
 
 def override(cfg: Any, assignments: list[str]) -> Any:

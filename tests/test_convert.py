@@ -3,6 +3,7 @@ fxmega with logits equal in float64 (1e-10), export back into directories that
 ``transformers`` loads with identical weights and logits, and go through the command line
 and into training."""
 
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,8 @@ from fxmega.cli import main
 from fxmega.core import tree
 from fxmega.core.errors import CheckpointError, ConfigError
 from fxmega.models import gpt, llama
-from fxmega.storage.convert import from_hf, to_hf
+from fxmega.ops.rope import RopeScaling
+from fxmega.storage.convert import config_from_hf, from_hf, to_hf
 from tests.conftest import ROOT
 
 transformers = pytest.importorskip("transformers")
@@ -61,6 +63,57 @@ def test_round_trip_with_float64_logits(family, tmp_path):
         assert torch.equal(back.state_dict()[name], tensor), name
     with torch.no_grad():
         torch.testing.assert_close(back(tokens).logits, want, rtol=0, atol=1e-10)
+
+
+# Long-context RoPE as transformers writes it (rope_parameters): the tiny model's context of
+# 32 positions stretched 4x; the test reads 64 positions, past the original context
+ROPE_SCALINGS = {
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0,
+             "beta_slow": 1.0},
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPE_SCALINGS))
+def test_scaled_rope_round_trip_with_float64_logits(kind, tmp_path):
+    hf_cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      rope_parameters={"rope_theta": 10000.0, **ROPE_SCALINGS[kind]},
+                                      rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    hf = _random(transformers.LlamaForCausalLM(hf_cfg))
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    _, cfg, params = from_hf(tmp_path / "hf", dtype=torch.float64)
+    s = cfg.rope_scaling
+    assert (s.kind, s.factor, s.original_max_seq_len) == (kind, 4.0, 32)
+    tokens = torch.randint(0, 100, (2, 64))
+    plain = llama.forward(params, tokens, dataclasses.replace(cfg, rope_scaling=RopeScaling()))
+    with torch.no_grad():
+        want = hf(tokens).logits
+        # the same float32 frequencies and tables as transformers; everything else float64
+        torch.testing.assert_close(llama.forward(params, tokens, cfg), want, rtol=0, atol=1e-10)
+    # the scaling moved the logits (measured: by 4e-4) far beyond the tolerance above: not vacuous
+    assert (plain - want).abs().max() > 1e-5
+    to_hf("llama", cfg, params, tmp_path / "back")
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back", torch_dtype=torch.float64).eval()
+    assert back.config.rope_parameters["rope_type"] == kind
+    with torch.no_grad():
+        torch.testing.assert_close(back(tokens).logits, want, rtol=0, atol=1e-10)
+
+
+def test_unsupported_rope_scalings_are_refused():
+    base = _hf_llama().config.to_dict()
+    for rope, message in [({"rope_type": "linear", "factor": 2.0}, "RoPE scaling 'linear' is not implemented"),
+                          ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32,
+                            "mscale": 1.0, "mscale_all_dim": 1.0}, "untruncated or mscale ramps")]:
+        with pytest.raises(ConfigError, match=message):
+            config_from_hf({**base, "rope_parameters": {"rope_theta": 1e4, **rope}})
+    # the older layout: rope_scaling with "type", rope_theta at the top level
+    old = {**base, "rope_parameters": None, "rope_theta": 5e5,
+           "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8192}}
+    _, cfg = config_from_hf(old)
+    assert cfg.rope_theta == 5e5 and cfg.rope_scaling == RopeScaling("llama3", 8.0, 8192, 1.0, 4.0)
 
 
 def test_command_line_import_then_train_then_export(tmp_path, capsys):

@@ -14,7 +14,7 @@ LAYERS = {
             "core.kernel_dump core.log sharding.layout sharding.inspect sharding.collectives sharding.mesh "
             "sharding.rules sharding.pipeline",
     "building blocks": "ops ops.kernels ops.kernels.triton_ops ops.kernels.triton_norms "
-                       "ops.kernels.triton_cross_entropy ops.layers ops.losses ops.objectives ops.recompute ops.init",
+                       "ops.kernels.triton_cross_entropy ops.rope ops.layers ops.losses ops.objectives ops.recompute ops.init",
     "models": "models models.bert models.gpt models.llama models.pieces models.registry models.census models.checks "
               "models.classifier",
     "data": "data data.batches data.blend data.classification data.corpus data.gpt_dataset data.indexed data.mlm "

@@ -4,7 +4,8 @@ the Hugging Face implementations of GPT-2 and Llama."""
 import pytest
 import torch
 
-from fxmega.config import load
+from fxmega.config import from_dict, load, override, to_dict
+from fxmega.core.errors import ConfigError
 from fxmega.models import gpt, llama, model_for
 from fxmega.ops.init import count_params, init_params
 from fxmega.planning.summary import check_shapes, summary
@@ -17,6 +18,7 @@ PUBLISHED_COUNTS = {
     "gpt2_xl.py": 1_557_611_200,
     "llama2_7b.py": 6_738_415_616,
     "llama3_8b.py": 8_030_261_248,
+    "llama31_8b.py": 8_030_261_248,  # Llama 3's shape; the context comes from RoPE scaling
 }
 
 
@@ -24,6 +26,21 @@ PUBLISHED_COUNTS = {
 def test_parameter_counts_match_published_models(name, expected):
     cfg = load(ROOT / "configs" / name)
     assert count_params(model_for(cfg.model).param_specs(cfg.model)) == expected
+
+
+def test_rope_scaling_in_configs_overrides_and_checkpoints():
+    cfg = load(ROOT / "configs" / "llama31_8b.py")
+    assert from_dict(to_dict(cfg)) == cfg  # what a checkpoint's meta.json carries comes back
+    yarn = override(cfg, ["model.rope_scaling.kind=yarn", "model.rope_scaling.factor=4"])
+    assert yarn.model.rope_scaling.kind == "yarn" and yarn.model.rope_scaling.factor == 4.0
+    yarn.model.validate()
+    positions = torch.arange(0, 131072, 4096)
+    scaled, plain = cfg.model.rope.tables(positions, 128), llama.Config(rope_theta=5e5).rope.tables(positions, 128)
+    assert not torch.allclose(scaled[0], plain[0])  # the slow dims turn 8x slower
+    with pytest.raises(ConfigError, match="rope_scaling.kind='ntk': choose one of none, llama3, yarn"):
+        override(cfg, ["model.rope_scaling.kind=ntk"]).model.validate()
+    with pytest.raises(ConfigError, match="original_max_seq_len=0: give the context"):
+        override(cfg, ["model.rope_scaling.original_max_seq_len=0"]).model.validate()
 
 
 def test_every_param_names_every_dim():

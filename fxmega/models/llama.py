@@ -1,5 +1,6 @@
-"""Llama (2 and 3), as published: RMSNorm, rotary position embeddings (rotate-half layout),
-SwiGLU MLP, grouped-query attention, no biases, and an untied output head.
+"""Llama (2 and 3), as published: RMSNorm, rotary position embeddings (rotate-half layout;
+Llama 3.1's and YaRN's long-context scaling, ``fxmega.ops.rope``), SwiGLU MLP, grouped-query
+attention, no biases, and an untied output head.
 
 Same shape as ``gpt.py``: ``Config`` → ``param_specs`` → ``forward``; sharding lives
 elsewhere and sees only the logical axis names.
@@ -8,7 +9,7 @@ elsewhere and sees only the logical axis names.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,6 +18,7 @@ from fxmega.core.spec import ONES, ParamSpec, normal
 from fxmega.models.census import Saved
 from fxmega.models.checks import require_positive
 from fxmega.ops import layers, objectives
+from fxmega.ops.rope import Rope, RopeScaling
 from fxmega.sharding.layout import shard
 
 
@@ -30,6 +32,7 @@ class Config:
     n_kv_heads: int = 0  # 0 means n_heads (no grouping)
     d_ff: int = 11008
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)  # long context: llama3 or yarn
     norm_eps: float = 1e-5
     init_std: float = 0.02
 
@@ -38,11 +41,16 @@ class Config:
         return self.d_model // self.n_heads
 
     @property
+    def rope(self) -> Rope:
+        return Rope(self.rope_theta, self.rope_scaling)
+
+    @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
 
     def validate(self, prefix: str = "model") -> None:
         require_positive(self, ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff"), prefix)
+        self.rope_scaling.validate(f"{prefix}.rope_scaling")
         if self.n_kv_heads < 0:
             raise ConfigError(f"{prefix}.n_kv_heads={self.n_kv_heads} must be positive, or 0 for n_heads")
         if self.d_model % self.n_heads:
@@ -143,7 +151,7 @@ def attention(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None 
     if cache is not None:  # the rotary tables come with ``write``, at each row's positions
         out, cache = layers.cached_attention(q, k, v, cache, write)
         return layers.project_from_heads(out, p["wo"]), cache
-    out = layers.causal_attention(q, k, v, rope_theta=cfg.rope_theta, valid=valid)
+    out = layers.causal_attention(q, k, v, rope=cfg.rope, valid=valid)
     return layers.project_from_heads(out, p["wo"])
 
 
@@ -224,4 +232,4 @@ def kv_cache_shape(cfg: Config, batch: int, max_len: int) -> tuple[int, ...]:
 def decode_write(cfg: Config, start: int, new: int, max_len: int, pad: torch.Tensor) -> layers.CacheWrite:
     """Where ``new`` tokens go in the cache and what they attend to (``layers.cache_write``),
     with the rotary tables at each row's positions, built once for every layer."""
-    return layers.cache_write(start, new, max_len, pad, cfg.head_dim, cfg.rope_theta)
+    return layers.cache_write(start, new, max_len, pad, cfg.head_dim, cfg.rope)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from fxmega.ops import kernels
+from fxmega.ops.rope import Rope, apply_rope, rotate_half
 from fxmega.sharding.layout import active, local, shard
 
 
@@ -67,29 +68,6 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device: torch.device,
-                 start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary tables ``[seq, head_dim]`` in the rotate-half layout of Hugging Face Llama:
-    the first half of each head pairs with the second half, not even with odd."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    positions = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)
-    angles = torch.cat([freqs, freqs], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [batch, seq, heads, head_dim]`` by the tables ``[seq, head_dim]``."""
-    cos = cos[:, None, :].to(x.dtype)
-    sin = sin[:, None, :].to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
-
-
 def padded_causal_mask(valid: torch.Tensor) -> torch.Tensor:
     """``[batch, 1, seq, seq]`` boolean mask (True: may attend): causal, and only to valid
     (non-padding) keys. Each position may always attend to itself, so that a padding query
@@ -108,11 +86,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object) -
     return rearrange(out, "batch heads seq dim -> batch seq heads dim")
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope_theta: float | None,
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None,
                       valid: torch.Tensor | None = None) -> torch.Tensor:
     # Runs on local shards: batch and heads may be split, seq and head_dim are whole.
-    if rope_theta is not None:
-        cos, sin = rope_cos_sin(q.shape[1], q.shape[-1], rope_theta, q.device)
+    if rope is not None:
+        cos, sin = rope.tables(torch.arange(q.shape[1], device=q.device), q.shape[-1])
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     # without padding: is_causal, which the flash kernels take; with it, an explicit mask
     # (the memory-efficient kernels take that on GPUs)
@@ -126,17 +104,17 @@ _KV_AXES = ("batch", None, "kv_heads", "head_dim")
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     rope_theta: float | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
+                     rope: Rope | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Causal self-attention through SDPA (flash or memory-efficient kernels where the
     device has them). ``q [batch, seq, heads, head_dim]``; ``k``, ``v`` may have fewer
-    (grouped) heads. With ``rope_theta`` the rotary embedding is applied to q and k first.
+    (grouped) heads. With ``rope`` the rotary embedding is applied to q and k first.
     ``valid [batch, seq]`` (1 for tokens, 0 for padding) keeps padding keys out.
     """
     if valid is None:
         fn = local(_causal_attention, (_QKV_AXES, _KV_AXES, _KV_AXES, None), _QKV_AXES)
-        return fn(q, k, v, rope_theta)
+        return fn(q, k, v, rope)
     fn = local(_causal_attention, (_QKV_AXES, _KV_AXES, _KV_AXES, None, ("batch", None)), _QKV_AXES)
-    return fn(q, k, v, rope_theta, valid)
+    return fn(q, k, v, rope, valid)
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None = None,
@@ -206,11 +184,11 @@ class CacheWrite(NamedTuple):
 
 
 def cache_write(start: int, new: int, max_len: int, pad: torch.Tensor, head_dim: int = 0,
-                rope_theta: float | None = None) -> CacheWrite:
+                rope: Rope | None = None) -> CacheWrite:
     """The ``CacheWrite`` for ``new`` tokens at slots ``[start, start + new)`` of rows whose first
     ``pad[b]`` slots are left padding. A query reads the slots up to its own (causal, and never
     the unwritten ones after it) from the row's first real token on; a padding query also reads
-    itself, so that no softmax row is all-masked (NaN). With ``rope_theta`` the rotary tables
+    itself, so that no softmax row is all-masked (NaN). With ``rope`` the rotary tables
     are built once here for all layers."""
     device = pad.device
     slots = torch.arange(start, start + new, device=device)
@@ -221,10 +199,8 @@ def cache_write(start: int, new: int, max_len: int, pad: torch.Tensor, head_dim:
     itself = (keys[None, :] == slots[:, None])[None]  # [1, new, max_len]
     mask = (causal & real) | itself
     cos = sin = None
-    if rope_theta is not None:
-        # a table from position 0 indexed per row: the same values rope_cos_sin(start=...) gives
-        cos, sin = rope_cos_sin(max_len, head_dim, rope_theta, device)
-        cos, sin = cos[positions], sin[positions]
+    if rope is not None:
+        cos, sin = rope.tables(positions, head_dim)
     return CacheWrite(start, positions, mask[:, None], cos, sin)
 
 
@@ -254,7 +230,7 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KV,
     if write.cos is not None:
         cos = shard(write.cos, *_ROPE_AXES)[:, :, None, :].to(q.dtype)
         sin = shard(write.sin, *_ROPE_AXES)[:, :, None, :].to(q.dtype)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
     cache_k, cache_v = kv
     end = write.start + q.shape[1]
     # split over heads, not slots: under tp each rank writes its own heads, with no communication

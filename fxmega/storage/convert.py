@@ -21,6 +21,7 @@ from fxmega.core.errors import CheckpointError, ConfigError
 from fxmega.core.json_files import check_fields
 from fxmega.data.tokenizer import portable
 from fxmega.models import gpt, llama
+from fxmega.ops.rope import RopeScaling
 from fxmega.storage import checkpoint, hf_files, hf_layout
 from fxmega.storage.checkpoint_files import digests
 from fxmega.storage.hf_bert import load_hf_dir
@@ -83,11 +84,7 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[str, gpt.Config | llama.Config]:
                                  n_layers=hf["n_layer"], n_heads=hf["n_head"], d_ff=hf.get("n_inner") or 0,
                                  norm_eps=hf.get("layer_norm_epsilon", 1e-5))
     if kind == "llama":
-        # transformers >= 5 keeps RoPE settings in rope_parameters; older files at the top level
-        rope = hf.get("rope_parameters") or {}
-        scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        _require(not scaling, f"Llama RoPE scaling {scaling} is not implemented in fxmega (plain RoPE only)")
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        theta, scaling = _rope_from_hf(hf)
         _require(hf.get("hidden_act", "silu") == "silu" and not hf.get("attention_bias") and not hf.get("mlp_bias"),
                  "this Llama variant (activation or biases) differs from fxmega's Llama")
         d, h = hf["hidden_size"], hf["num_attention_heads"]
@@ -95,9 +92,48 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[str, gpt.Config | llama.Config]:
         return "llama", llama.Config(
             vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 4096), d_model=d,
             n_layers=hf["num_hidden_layers"], n_heads=h, n_kv_heads=hf.get("num_key_value_heads") or h,
-            d_ff=hf["intermediate_size"], rope_theta=theta,
+            d_ff=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
             norm_eps=hf.get("rms_norm_eps", 1e-5))
     raise ConfigError(f"Hugging Face model_type {kind!r}: fxmega converts gpt2, llama and bert")
+
+
+# RoPE scaling fields: Hugging Face's name -> fxmega's (RopeScaling), per rope_type
+_ROPE_FIELDS = {"llama3": {"factor": "factor", "original_max_position_embeddings": "original_max_seq_len",
+                           "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor"},
+                "yarn": {"factor": "factor", "original_max_position_embeddings": "original_max_seq_len",
+                         "beta_fast": "beta_fast", "beta_slow": "beta_slow", "attention_factor": "attention_factor"}}
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, RopeScaling]:
+    """RoPE base and scaling of a Llama config.json: transformers >= 5 keeps them in
+    ``rope_parameters``, older files in ``rope_theta`` and ``rope_scaling`` (``type`` before
+    ``rope_type``)."""
+    rope = dict(hf.get("rope_parameters") or {})
+    rope = {**(hf.get("rope_scaling") or {}), **rope}
+    theta = float(rope.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    if kind == "default":
+        return theta, RopeScaling()
+    _require(kind in _ROPE_FIELDS, f"Llama RoPE scaling {kind!r} is not implemented in fxmega (llama3 and yarn are): "
+                                   f"rope parameters {rope}")
+    _require(rope.get("partial_rotary_factor", 1.0) == 1.0 and rope.get("truncate", True)
+             and not (rope.get("mscale") or rope.get("mscale_all_dim")),
+             f"this {kind} RoPE (partial rotary, untruncated or mscale ramps) differs from fxmega's: {rope}")
+    if kind == "yarn" and rope.get("factor") is None:  # transformers' rule: the ratio of the two contexts
+        rope["factor"] = hf.get("max_position_embeddings", 4096) / rope["original_max_position_embeddings"]
+    values = {ours: rope[theirs] for theirs, ours in _ROPE_FIELDS[kind].items() if rope.get(theirs) is not None}
+    _require("original_max_seq_len" in values, f"{kind} RoPE without original_max_position_embeddings: {rope}")
+    return theta, RopeScaling(kind=kind, **values)
+
+
+def _rope_to_hf(cfg: llama.Config) -> dict[str, Any]:
+    s = cfg.rope_scaling
+    if s.kind == "none":
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    fields = {theirs: getattr(s, ours) for theirs, ours in _ROPE_FIELDS[s.kind].items()}
+    if s.kind == "yarn" and not s.attention_factor:
+        del fields["attention_factor"]  # transformers derives it from factor, as fxmega does
+    return {"rope_type": s.kind, "rope_theta": cfg.rope_theta, **fields}
 
 
 def config_to_hf(family: str, cfg: gpt.Config | llama.Config, dtype: torch.dtype) -> dict[str, Any]:
@@ -112,7 +148,7 @@ def config_to_hf(family: str, cfg: gpt.Config | llama.Config, dtype: torch.dtype
             "max_position_embeddings": cfg.max_seq_len, "hidden_size": cfg.d_model,
             "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.kv_heads, "intermediate_size": cfg.d_ff, "rope_theta": cfg.rope_theta,
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "rope_parameters": _rope_to_hf(cfg),
             "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "tie_word_embeddings": False,
             "attention_bias": False, "mlp_bias": False, "torch_dtype": torch_dtype}
 
