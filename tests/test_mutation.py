@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
+from fxmega.sharding.activation_layouts import ActivationLayouts
 from fxmega.sharding.grad_sync import GradientSync
-from fxmega.sharding.tp_layouts import TensorParallelLayouts
 from fxmega.training.run import Run
 from tests.multirank import run_ranks
 from tests.parity import assert_gradients_match, assert_matches_one_device, record
@@ -66,17 +66,17 @@ def tp2_runs(steps: int) -> dict | None:
     """tp=2 trained twice on the same ranks: as it is, and with the row-parallel partial sums
     left unreduced (each rank goes on with its own half of the attention and MLP outputs:
     the all-reduce Megatron's row-parallel layers need, dropped)."""
-    right = TensorParallelLayouts.constrain
+    right = ActivationLayouts.constrain
 
-    def dropped(self: TensorParallelLayouts, x: torch.Tensor, axes) -> torch.Tensor:
+    def dropped(self: ActivationLayouts, x: torch.Tensor, axes) -> torch.Tensor:
         # plain Partial: the row-parallel outputs (the embedding's masked partial keeps its reduction)
         if isinstance(x, DTensor) and any(type(p) is Partial for p in x.placements):
-            return DTensor.from_local(x.to_local(), self.tp_mesh, self.placement(axes), run_check=False)
+            return DTensor.from_local(x.to_local(), self.mesh, self.placement(axes), run_check=False)
         return right(self, x, axes)
 
     # eagerly: dynamo does not trace the patched layout function
     cfg = tiny_config(STRATEGIES["tp2"], compile=False)
-    return _right_and_mutated(TensorParallelLayouts, "constrain", dropped, cfg, steps)
+    return _right_and_mutated(ActivationLayouts, "constrain", dropped, cfg, steps)
 
 
 @pytest.mark.slow

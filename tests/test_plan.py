@@ -37,8 +37,8 @@ def test_tp_varies_fastest_then_dp_then_pp():
     ("2x-1", "size -1 of axis tp is not a whole number|axis tp has size -1"),
     ("dp=2,foo=2", "unknown axis 'foo'"),
     ("dp=2,dp=2", "given twice"),
-    ("2x2x2x2", "gives 4 sizes but the axis order dp x tp x pp names only 3"),
-    ("cp=2", "reserved for context parallelism"),
+    ("2x2x2x2x2", "gives 5 sizes but the axis order dp x tp x pp x cp names only 4"),
+    ("ep=2", "reserved for expert parallelism"),
     ("twox2", "is not a whole number"),
 ])
 def test_bad_meshes(text, message):

@@ -40,6 +40,7 @@ from fxmega.inference.generate import Cache, LocalDecoder, decode
 from fxmega.models.pieces import blocks_of, decode_pieces
 from fxmega.models.registry import ModelConfig, ModelFamily
 from fxmega.sharding import layout
+from fxmega.sharding.activation_layouts import ActivationLayouts
 from fxmega.sharding.pipeline import Stage
 from fxmega.sharding.runtime import Parallel
 
@@ -48,23 +49,24 @@ CACHE_HEADS_DIM = 2
 
 
 class DecodeLayout:
-    """The run's activation layouts for decoding: those of training, except that the sequence is
-    never split (sequence parallelism has nothing to split in a one-token step)."""
+    """The run's activation layouts for decoding: those of training over tp only, the sequence
+    never split (sequence parallelism has nothing to split in a one-token step; context
+    parallel ranks each decode the whole batch, the same on every one)."""
 
     def __init__(self, parallel: Parallel) -> None:
-        self.parallel = parallel
+        self.layouts = ActivationLayouts(parallel.plan, parallel.groups.tp_mesh)
 
     @staticmethod
     def _whole_seq(axes: tuple[str | None, ...]) -> tuple[str | None, ...]:
         return tuple(None if a == "seq" else a for a in axes)
 
     def constrain(self, x: Any, axes: tuple[str | None, ...]) -> Any:
-        return self.parallel.activations.constrain(x, self._whole_seq(axes))
+        return self.layouts.constrain(x, self._whole_seq(axes))
 
     def local(self, fn: Callable[..., Any], in_axes: tuple[tuple[str | None, ...] | None, ...],
               out_axes: tuple[str | None, ...]) -> Callable[..., Any]:
         in_axes = tuple(None if a is None else self._whole_seq(a) for a in in_axes)
-        return self.parallel.activations.local(fn, in_axes, self._whole_seq(out_axes))
+        return self.layouts.local(fn, in_axes, self._whole_seq(out_axes))
 
 
 def decode_params(parallel: Parallel, params: tree.Tree) -> tree.Tree:

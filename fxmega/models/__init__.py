@@ -71,7 +71,7 @@ def lm_loss_sum(params: dict, batch: dict[str, torch.Tensor], cfg: object, call:
         call, layouts = recompute.plain_call, params
     inputs = embed_inputs(model, batch)
     x = run_pieces(model, params, layouts, batch["inputs"], cfg, call, head=False, inputs=inputs,
-                   valid=batch.get("attention_mask"), compute=compute)
+                   valid=batch.get("attention_mask"), positions=batch.get("positions"), compute=compute)
     head_params, head_layouts = top(model.HEAD_PARAMS, params), top(model.HEAD_PARAMS, layouts)
     if compute is not None and compute.loss_chunk:
         return call(head_loss_sum(model), head_params, head_layouts, x, cfg, batch["targets"],

@@ -168,7 +168,7 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
-    h = shard(gelu(layers.linear(x, p["w_in"], p["b_in"])), "batch", None, "mlp")
+    h = shard(gelu(layers.linear(x, p["w_in"], p["b_in"])), "batch", "ctx", "mlp")
     return layers.linear(h, p["w_out"], p["b_out"])
 
 
@@ -179,10 +179,10 @@ def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = No
     their outputs come back to the stream's layout as in ``gpt.block``; the LayerNorms are
     per token, so they run on the stream's layout (split along seq under sequence
     parallelism)."""
-    h = shard(x, "batch", None, "embed")
+    h = shard(x, "batch", "ctx", "embed")
     x = x + shard(attention(p["attn"], h, valid), "batch", "seq", "embed")
     x = layers.layer_norm(x, **p["attn_norm"], eps=cfg.norm_eps)
-    h = shard(x, "batch", None, "embed")
+    h = shard(x, "batch", "ctx", "embed")
     x = x + shard(mlp(p["mlp"], h), "batch", "seq", "embed")
     return layers.layer_norm(x, **p["mlp_norm"], eps=cfg.norm_eps)
 
@@ -215,9 +215,9 @@ def mlm_logits(params: dict, hidden: torch.Tensor, cfg: Config) -> torch.Tensor:
     LayerNorm, then the word embedding, tied, plus the decoder's own bias)."""
     m = params["mlm"]
     h = layers.layer_norm(gelu(layers.linear(hidden, m["w"], m["b"])), **m["norm"], eps=cfg.norm_eps)
-    h = shard(h, "batch", None, "embed")
+    h = shard(h, "batch", "ctx", "embed")
     logits = layers.linear(h, params["embed"]["tokens"].t(), m["b_vocab"])
-    return shard(logits, "batch", None, "vocab")
+    return shard(logits, "batch", "ctx", "vocab")
 
 
 head = mlm_logits  # the piece that ``models.forward_by_pieces`` calls with HEAD_PARAMS

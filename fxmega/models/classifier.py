@@ -69,7 +69,7 @@ class Classifier:
                 w = p["classifier"]
                 return layers.linear(self.family.pool(p, x, valid, cfg), w["w"], w["b"]).float()
 
-        in_axes = (("batch", None, "embed"), None if valid is None else ("batch", None), *self._head_axes)
+        in_axes = (("batch", "ctx", "embed"), None if valid is None else ("batch", "ctx"), *self._head_axes)
         return layout.local(on_local, in_axes, self.OUTPUT_AXES)(x, valid, *tree.leaves(params))
 
     def objective(self, cfg: Any = None) -> objectives.CrossEntropy:

@@ -91,8 +91,10 @@ def param_specs(cfg: Config) -> dict:
 EMBED_PARAMS = ("embed",)
 HEAD_PARAMS = ("final_norm", "embed")
 # What the embedding reads from a batch besides the tokens (a pipeline's first stage gets
-# them stacked with the tokens): nothing.
-EMBED_INPUTS: tuple[str, ...] = ()
+# them stacked with the tokens): each token's position, when the batch has them (context
+# parallelism's head-tail chunks are out of order); else 0, 1, 2, ...
+EMBED_INPUTS: tuple[str, ...] = ("positions",)
+CONTEXT_PARALLEL = True  # blocks take positions, so a sequence may be split into out-of-order chunks
 # What one block keeps for its backward (``fxmega.models.census``): two LayerNorms, the fused
 # QKV projection, the tanh-GELU MLP.
 BLOCK_SAVED = (
@@ -117,7 +119,8 @@ def objective(cfg: Config) -> objectives.Objective:
     return objectives.causal_lm(cfg.vocab_size)
 
 
-def attention(p: dict, x: torch.Tensor, valid: torch.Tensor | None = None, cache: layers.KV | None = None,
+def attention(p: dict, x: torch.Tensor, valid: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+              cache: layers.KV | None = None,
               write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """Causal self-attention; with ``cache`` and ``write`` (decoding, see ``fxmega.models.pieces.decode_pieces``)
     it attends over the cache instead and also returns the updated cache."""
@@ -126,33 +129,35 @@ def attention(p: dict, x: torch.Tensor, valid: torch.Tensor | None = None, cache
     if cache is not None:
         out, cache = layers.cached_attention(q, k, v, cache, write)
         return layers.project_from_heads(out, p["wo"], p["bo"]), cache
-    out = layers.causal_attention(q, k, v, valid=valid)
+    out = layers.causal_attention(q, k, v, valid=valid, positions=positions)
     return layers.project_from_heads(out, p["wo"], p["bo"])
 
 
 def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     h = layers.gelu_tanh(layers.linear(x, p["w_in"], p["b_in"]))
-    h = shard(h, "batch", None, "mlp")
+    h = shard(h, "batch", "ctx", "mlp")
     return layers.linear(h, p["w_out"], p["b_out"])
 
 
-def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None, cache: layers.KV | None = None,
+def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,
+          positions: torch.Tensor | None = None, cache: layers.KV | None = None,
           write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """One pre-LN block on the residual stream ``x [batch, seq, embed]`` (``valid``: the
     padding mask, see ``layers.causal_attention``). With ``cache`` and ``write`` it decodes
     (see ``fxmega.models.pieces.decode_pieces``) and returns ``(x, updated cache)``.
 
-    Each sublayer reads the whole sequence (``None``: never split inside a block) and its
-    output is brought back to the residual stream's layout: with sequence parallelism that
-    is Megatron's all-gather before and reduce-scatter after each sublayer.
+    Each sublayer reads the block's sequence (``ctx``: whole, or a context-parallel rank's
+    chunks) and its output is brought back to the residual stream's layout: with sequence
+    parallelism that is Megatron's all-gather before and reduce-scatter after each sublayer.
+    ``positions`` (with out-of-order chunks) gives attention each token's place.
     """
-    h = shard(layers.layer_norm(x, **p["attn_norm"], eps=cfg.norm_eps), "batch", None, "embed")
+    h = shard(layers.layer_norm(x, **p["attn_norm"], eps=cfg.norm_eps), "batch", "ctx", "embed")
     if cache is not None:
         a, cache = attention(p["attn"], h, cache=cache, write=write)
     else:
-        a = attention(p["attn"], h, valid)
+        a = attention(p["attn"], h, valid, positions)
     x = x + shard(a, "batch", "seq", "embed")
-    h = shard(layers.layer_norm(x, **p["mlp_norm"], eps=cfg.norm_eps), "batch", None, "embed")
+    h = shard(layers.layer_norm(x, **p["mlp_norm"], eps=cfg.norm_eps), "batch", "ctx", "embed")
     x = x + shard(mlp(p["mlp"], h), "batch", "seq", "embed")
     return x if cache is None else (x, cache)
 
@@ -162,13 +167,13 @@ def embed(params: dict, tokens: torch.Tensor, cfg: Config, positions: torch.Tens
     (decoding) picks each token's position; by default they are 0, 1, 2, ..."""
     x = shard(torch.nn.functional.embedding(tokens, params["embed"]["tokens"]), "batch", "seq", "embed")
     if positions is not None:  # plain indices: under a sharding plan ``shard`` makes them a DTensor like the table
-        return x + params["embed"]["positions"][shard(positions, "batch", "seq")]
+        return x + torch.nn.functional.embedding(shard(positions, "batch", "seq"), params["embed"]["positions"])
     return x + shard(params["embed"]["positions"][: tokens.shape[1]], "seq", "embed")
 
 
 def final_hidden(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """The final LayerNorm: what the output projection reads."""
-    return shard(layers.layer_norm(x, **params["final_norm"], eps=cfg.norm_eps), "batch", None, "embed")
+    return shard(layers.layer_norm(x, **params["final_norm"], eps=cfg.norm_eps), "batch", "ctx", "embed")
 
 
 def output_weight(params: dict) -> torch.Tensor:
@@ -192,7 +197,7 @@ def pool(params: dict, x: torch.Tensor, valid: torch.Tensor | None, cfg: Config)
 def head(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Final LayerNorm and the tied output projection onto the vocabulary."""
     logits = layers.linear(final_hidden(params, x, cfg), output_weight(params))
-    return shard(logits, "batch", None, "vocab")
+    return shard(logits, "batch", "ctx", "vocab")
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config,

@@ -108,6 +108,7 @@ HEAD_PARAMS = ("final_norm", "head")
 # What the embedding reads from a batch besides the tokens (a pipeline's first stage gets
 # them stacked with the tokens): nothing.
 EMBED_INPUTS: tuple[str, ...] = ()
+CONTEXT_PARALLEL = True  # blocks take positions, so a sequence may be split into out-of-order chunks
 # What one block keeps for its backward (``fxmega.models.census``). RMSNorm runs in fp32: its
 # fp32 input, the rsqrt statistics and the normalised values; a recomputed region keeps the
 # residual in the compute dtype instead of the fp32 copy.
@@ -141,7 +142,7 @@ def objective(cfg: Config) -> objectives.Objective:
 
 
 def attention(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,
-              cache: layers.KV | None = None,
+              positions: torch.Tensor | None = None, cache: layers.KV | None = None,
               write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """Causal self-attention with rotary positions; with ``cache`` and ``write`` (decoding, see
     ``fxmega.models.pieces.decode_pieces``) it attends over the cache instead and also returns the updated cache."""
@@ -151,29 +152,30 @@ def attention(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None 
     if cache is not None:  # the rotary tables come with ``write``, at each row's positions
         out, cache = layers.cached_attention(q, k, v, cache, write)
         return layers.project_from_heads(out, p["wo"]), cache
-    out = layers.causal_attention(q, k, v, rope=cfg.rope, valid=valid)
+    out = layers.causal_attention(q, k, v, rope=cfg.rope, valid=valid, positions=positions)
     return layers.project_from_heads(out, p["wo"])
 
 
 def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
     h = torch.nn.functional.silu(layers.linear(x, p["w_gate"])) * layers.linear(x, p["w_up"])
-    h = shard(h, "batch", None, "mlp")
+    h = shard(h, "batch", "ctx", "mlp")
     return layers.linear(h, p["w_down"])
 
 
-def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None, cache: layers.KV | None = None,
+def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,
+          positions: torch.Tensor | None = None, cache: layers.KV | None = None,
           write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """One pre-norm block on the residual stream ``x [batch, seq, embed]``; sublayers read
     the whole sequence (see ``gpt.block``); ``valid`` is the padding mask. With ``cache`` and
     ``write`` it decodes (see ``fxmega.models.pieces.decode_pieces``) and returns ``(x, updated cache)``."""
-    h = shard(layers.rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps), "batch", None, "embed")
+    h = shard(layers.rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps), "batch", "ctx", "embed")
     if cache is not None:
         a, cache = attention(p["attn"], h, cfg, cache=cache, write=write)
     else:
-        a = attention(p["attn"], h, cfg, valid)
+        a = attention(p["attn"], h, cfg, valid, positions)
     x = x + shard(a, "batch", "seq", "embed")
-    h = shard(layers.rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "batch", None, "embed")
+    h = shard(layers.rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "batch", "ctx", "embed")
     x = x + shard(mlp(p["mlp"], h), "batch", "seq", "embed")
     return x if cache is None else (x, cache)
 
@@ -187,7 +189,7 @@ def embed(params: dict, tokens: torch.Tensor, cfg: Config, positions: torch.Tens
 
 def final_hidden(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """The final RMSNorm: what the output projection reads."""
-    return shard(layers.rms_norm(x, params["final_norm"]["scale"], cfg.norm_eps), "batch", None, "embed")
+    return shard(layers.rms_norm(x, params["final_norm"]["scale"], cfg.norm_eps), "batch", "ctx", "embed")
 
 
 def output_weight(params: dict) -> torch.Tensor:
@@ -210,7 +212,7 @@ def pool(params: dict, x: torch.Tensor, valid: torch.Tensor | None, cfg: Config)
 
 def head(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Final RMSNorm and the output projection onto the vocabulary."""
-    return shard(layers.linear(final_hidden(params, x, cfg), output_weight(params)), "batch", None, "vocab")
+    return shard(layers.linear(final_hidden(params, x, cfg), output_weight(params)), "batch", "ctx", "vocab")
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config,

@@ -24,7 +24,7 @@ from fxmega.ops.recompute import mode_for_block
 
 PieceCall = Callable[..., torch.Tensor]
 # the logical axes of a head's outputs unless the family says otherwise (``OUTPUT_AXES``)
-LOGITS = ("batch", None, "vocab")
+LOGITS = ("batch", "ctx", "vocab")
 
 
 def top(groups: tuple[str, ...], params: dict) -> dict:
@@ -43,17 +43,20 @@ def blocks_of(params: dict) -> list[tuple[int, dict]]:
 
 def run_pieces(model: ModelFamily, params: dict, layouts: dict, x: torch.Tensor, cfg: Any, call: PieceCall, *,
                embed: bool = True, head: bool = True, inputs: Sequence[torch.Tensor] = (),
-               valid: torch.Tensor | None = None, compute: Any = None,
+               valid: torch.Tensor | None = None, positions: torch.Tensor | None = None, compute: Any = None,
                head_inputs: Sequence[torch.Tensor | None] = ()) -> torch.Tensor:
     """``x`` through the pieces ``params`` holds, in order: the embedding (if ``embed``:
     ``x`` is then the tokens and ``inputs`` the family's ``EMBED_INPUTS``), every block in
-    ``params["blocks"]`` (with ``valid``, the attention mask, where given), and the head (if
+    ``params["blocks"]`` (with ``valid``, the attention mask, and ``positions``, each token's
+    place when the tokens are out of order, where given), and the head (if
     ``head``, with ``head_inputs``: the family's ``HEAD_INPUTS``). ``layouts`` mirrors
     ``params``; ``compute`` (a ``ComputeConfig``) picks each block's recompute mode."""
     mode, first_n = (compute.recompute, compute.recompute_layers) if compute is not None else ("none", 0)
     if embed:
         x = call(model.embed, top(model.EMBED_PARAMS, params), top(model.EMBED_PARAMS, layouts), x, cfg, *inputs)
-    extra = () if valid is None else (valid,)
+    # the blocks' optional inputs, positional (a piece call passes arguments on as they are)
+    extra = (valid,) if positions is None else (valid, positions)
+    extra = extra if any(e is not None for e in extra) else ()
     lays = dict(blocks_of(layouts))
     for i, p in blocks_of(params):
         x = call(model.block, p, lays[i], x, cfg, *extra, recompute=mode_for_block(mode, i, first_n))

@@ -98,18 +98,46 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: R
     return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[2] != q.shape[2])
 
 
-# Inside attention the sequence is whole (None): batch and heads may be split.
+def _attention_at_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None,
+                            q_pos: torch.Tensor, k_pos: torch.Tensor,
+                            valid: torch.Tensor | None = None) -> torch.Tensor:
+    # Runs on local shards: the queries may be any subset of the sequence (a context-parallel
+    # rank's chunks), the keys and values are the whole of it; causality comes from the
+    # positions, not from the order.
+    if rope is not None:
+        q = apply_rope(q, *rope.tables(q_pos, q.shape[-1]))
+        k = apply_rope(k, *rope.tables(k_pos, k.shape[-1]))
+    mask = q_pos[:, :, None] >= k_pos[:, None, :]  # [batch, queries, keys]
+    if valid is not None:  # padding keys out; a padding query still reads itself (no NaN row)
+        mask = (mask & valid[:, None, :].bool()) | (q_pos[:, :, None] == k_pos[:, None, :])
+    return sdpa(q, k, v, attn_mask=mask[:, None], enable_gqa=k.shape[2] != q.shape[2])
+
+
+# Inside attention the sequence is whole (None): batch and heads may be split. Given the
+# positions, the queries keep the block's layout ("ctx": split over cp) and only the keys
+# and values (the kv heads) are gathered along the sequence.
 _QKV_AXES = ("batch", None, "heads", "head_dim")
 _KV_AXES = ("batch", None, "kv_heads", "head_dim")
+_Q_CTX_AXES = ("batch", "ctx", "heads", "head_dim")
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     rope: Rope | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
+                     rope: Rope | None = None, valid: torch.Tensor | None = None,
+                     positions: torch.Tensor | None = None) -> torch.Tensor:
     """Causal self-attention through SDPA (flash or memory-efficient kernels where the
     device has them). ``q [batch, seq, heads, head_dim]``; ``k``, ``v`` may have fewer
     (grouped) heads. With ``rope`` the rotary embedding is applied to q and k first.
     ``valid [batch, seq]`` (1 for tokens, 0 for padding) keeps padding keys out.
+
+    ``positions [batch, seq]``: each token's place in its sequence, when the tokens are not
+    in order (context parallelism's head-tail chunks): causality and the rotary tables come
+    from them, through an explicit mask.
     """
+    if positions is not None:
+        pos_q, pos_k = ("batch", "ctx"), ("batch", None)
+        in_axes = (_Q_CTX_AXES, _KV_AXES, _KV_AXES, None, pos_q, pos_k) + ((pos_k,) if valid is not None else ())
+        fn = local(_attention_at_positions, in_axes, _Q_CTX_AXES)
+        return fn(q, k, v, rope, positions, positions, *(() if valid is None else (valid,)))
     if valid is None:
         fn = local(_causal_attention, (_QKV_AXES, _KV_AXES, _KV_AXES, None), _QKV_AXES)
         return fn(q, k, v, rope)

@@ -23,6 +23,7 @@ from fxmega.config import RunConfig
 from fxmega.core.log import get_logger
 from fxmega.models import model_for
 from fxmega.models.registry import ModelFamily
+from fxmega.sharding.context import check_context_parallel
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh, check_world_size
 from fxmega.sharding.runtime import Parallel
 from fxmega.sharding.strategy import plan_from
@@ -94,10 +95,11 @@ def setup(cfg: RunConfig, mesh: MeshSpec, model: ModelFamily | None = None) -> t
     parameters are planned and whose pieces pipeline stages are cut from (default: the
     config's; fine-tuning gives its classifier)."""
 
+    model = model_for(cfg.model) if model is None else model
+    check_context_parallel(cfg, mesh, model)
     per_rank_caches()
     device_type = None if cfg.train.device == "auto" else cfg.train.device
     device_mesh, rank, device = init(mesh, cfg.parallel.timeout_s, device_type)
-    model = model_for(cfg.model) if model is None else model
     specs = model.param_specs(cfg.model)
     plan = plan_from(specs, cfg.parallel, model)
     if rank == 0:

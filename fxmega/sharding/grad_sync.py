@@ -109,5 +109,7 @@ class GradientSync:
             replicated = [a for a in self.groups.data_axes if a not in lay.data_axes["opt"]]
             if lay.tp_dim is None and self.groups.tp > 1:
                 replicated.append("tp")
+            if self.groups.cp > 1:  # parameters are replicated over cp
+                replicated.append("cp")
             weights.append(1.0 if all(coords[a] == 0 for a in replicated) else 0.0)
         return torch.tensor(weights, device=device)

@@ -24,8 +24,13 @@ class ProcessGroups:
     def __init__(self, mesh: MeshSpec, device_mesh: DeviceMesh, rank: int) -> None:
         self.mesh, self.device_mesh, self.rank = mesh, device_mesh, rank
         self.coords = mesh.coords(rank)
-        self.tp = mesh.size("tp")
+        self.tp, self.cp = mesh.size("tp"), mesh.size("cp")
         self.tp_mesh: DeviceMesh | None = device_mesh["tp"] if self.tp > 1 else None
+        # activations are DTensors over the context and tensor axes that the mesh has
+        self.activation_axes = tuple(a for a in ("cp", "tp") if mesh.size(a) > 1)
+        self.activation_mesh: DeviceMesh | None = (device_mesh[self.activation_axes] if len(self.activation_axes) > 1
+                                                   else device_mesh[self.activation_axes[0]]
+                                                   if self.activation_axes else None)
         self.data_axes = tuple(a for a in DATA_AXES if mesh.size(a) > 1)
         self._groups: dict[tuple[str, ...], DeviceMesh] = {}
         if self.data_axes:
@@ -49,6 +54,8 @@ class ProcessGroups:
             labels[sub.get_group().group_name] = "+".join(axes)
         if self.tp_mesh is not None:
             labels[self.tp_mesh.get_group().group_name] = "tp"
+        if self.cp > 1:
+            labels[self.device_mesh["cp"].get_group().group_name] = "cp"
         return labels
 
     @property

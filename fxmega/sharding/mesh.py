@@ -9,7 +9,8 @@ Axes:
   fsdp  data parallel, parameters sharded by the rules (e.g. the ``embed`` dim)
   tp    tensor parallel (Megatron layouts, optional sequence parallelism)
   pp    pipeline parallel (stages cut from the layer stack)
-  cp, ep  reserved for context and expert parallelism (not implemented)
+  cp    context parallel (each sequence split into head-tail chunks; parameters replicated)
+  ep    reserved for expert parallelism (not implemented)
 
 Physical rank order follows Megatron-LM whatever order is written: tp varies fastest, then
 cp, ep, fsdp, dp, and pp slowest, so tensor-parallel groups sit on neighbouring devices.
@@ -25,8 +26,8 @@ from fxmega.core.errors import ConfigError
 
 PHYSICAL_ORDER = ("pp", "dp", "fsdp", "ep", "cp", "tp")  # slowest to fastest
 DATA_AXES = ("dp", "fsdp")
-RESERVED_AXES = ("cp", "ep")
-DEFAULT_ORDER = ("dp", "tp", "pp")
+RESERVED_AXES = ("ep",)
+DEFAULT_ORDER = ("dp", "tp", "pp", "cp")  # --mesh 8x4x2 is dp x tp x pp; a fourth size is cp
 
 
 @dataclass(frozen=True)
@@ -116,8 +117,7 @@ def parse_mesh(text: str, order: tuple[str, ...] = DEFAULT_ORDER) -> MeshSpec:
             sizes[name] = _size(value, name, text)
     for axis in RESERVED_AXES:
         if sizes.get(axis, 1) > 1:
-            kind = "context" if axis == "cp" else "expert"
-            raise ConfigError(f"--mesh {text}: axis {axis} is reserved for {kind} parallelism, "
+            raise ConfigError(f"--mesh {text}: axis {axis} is reserved for expert parallelism, "
                               f"which fxmega does not implement yet")
     return MeshSpec.of(**sizes)
 

@@ -138,6 +138,10 @@ def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy, pipeline: Pi
             raise ConfigError(f"rules map 'batch' to {rule!r}: the batch is always split over the mesh's data axes "
                               f"(dp, fsdp; each data rank reads its own micro batches) and over nothing else, so it "
                               f"has no rule: remove 'batch' from the rules")
+        if name == "ctx" or "cp" in mesh_axes_of(rule):
+            raise ConfigError(f"rules map {name!r} to {rule!r}: context parallelism splits the sequence (seq, and "
+                              f"ctx inside blocks) over cp by construction and never a parameter, so cp and ctx "
+                              f"have no rules: remove them and put cp in --mesh")
         if name not in known:
             raise ConfigError(f"rules name the logical axis {name!r}, which no parameter or activation has; "
                               f"known names: {', '.join(sorted(known))}")
@@ -161,6 +165,10 @@ def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy, pipeline: Pi
                           f"the padded logits are masked out of the loss")
     for path, spec in leaves:
         plan.params[path] = _layout(path, spec, rules, zero, mesh, tp, data_sizes, vocab, padded_vocab)
+    if mesh.size("cp") > 1:
+        plan.notes.append(f"cp={mesh.size('cp')}: each sequence is split into head-tail chunks over cp, parameters "
+                          f"are replicated over it and their gradients summed; fxmega's memory and communication "
+                          f"estimates do not model cp yet (whole-sequence activations, no K/V gathers)")
     if pipeline is not None:
         sharded = [p.path for p in plan.params.values() if p.data_axes["grad"]]
         if sharded:
@@ -273,5 +281,7 @@ def explain(plan: ShardingPlan) -> str:
     lines.append("activations: batch split over the data axes (each data rank reads its own micro batches); "
                  "residual stream [batch, seq, embed] " + ("split along seq over tp (sequence parallel)" if resid == 1
                                                           else "replicated over tp") +
-                 "; inside blocks heads/mlp/vocab split over tp" * (plan.tp > 1))
+                 "; inside blocks heads/mlp/vocab split over tp" * (plan.tp > 1) +
+                 "; the sequence split over cp everywhere, attention's keys and values gathered" *
+                 (plan.mesh.size("cp") > 1))
     return "\n".join(lines)

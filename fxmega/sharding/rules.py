@@ -6,8 +6,12 @@ A rule set is a plain dict from logical name to a mesh axis, a tuple of mesh axe
 
 Logical names used by fxmega's models:
   parameters   vocab, position, embed, heads, kv_heads, head_dim, qkv, mlp
-  activations  batch, seq (the residual stream's sequence), embed, heads, kv_heads,
-               head_dim, mlp, vocab; inside a block the sequence is ``None`` (whole)
+  activations  batch, seq (the residual stream's sequence), ctx (the sequence inside a
+               block), embed, heads, kv_heads, head_dim, mlp, vocab; attention's keys
+               and values name the sequence ``None`` (whole)
+
+Context parallelism (``cp`` in the mesh) splits ``seq`` and ``ctx`` over cp by construction,
+like the batch over the data axes: neither cp nor ctx has a rule.
 
 The batch is split over the mesh's data axes (dp, fsdp) by construction, and over nothing
 else: each data rank reads its own micro batches (dp-major over dp x fsdp). It has no rule,

@@ -4,8 +4,8 @@
     mesh's axes;
   * ``shards`` (``ParamShards``): this rank's slice of every parameter, the seeded sharded
     init, DTensor views for checkpoints, and the way back to full tensors;
-  * ``activations`` (``TensorParallelLayouts``, None without tp): the layouts model code
-    names with ``shard(...)`` and ``local(...)``, held on DTensors over the 1-D tp mesh;
+  * ``activations`` (``ActivationLayouts``, None without tp and cp): the layouts model code
+    names with ``shard(...)`` and ``local(...)``, held on DTensors over the cp x tp mesh;
   * ``grads`` (``GradientSync``): the data axes' bucketed gradient reductions (all-reduce,
     or reduce-scatter for ZeRO) and the all-gather after a sharded update.
 
@@ -22,17 +22,17 @@ from typing import Any, Protocol
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
 
 from fxmega.config import ComputeConfig
 from fxmega.core import precision, tree
 from fxmega.ops.recompute import checkpointed
 from fxmega.sharding import layout
+from fxmega.sharding.activation_layouts import ActivationLayouts
+from fxmega.sharding.context import chunk_of
 from fxmega.sharding.grad_sync import GradientSync
 from fxmega.sharding.groups import ProcessGroups
 from fxmega.sharding.param_shards import ParamShards
 from fxmega.sharding.plan import ShardingPlan
-from fxmega.sharding.tp_layouts import TensorParallelLayouts
 from fxmega.sharding.zero3 import gathered_call
 
 
@@ -60,8 +60,8 @@ class Parallel:
         self.reduce_dtype = torch.bfloat16 if reduce_bf16 else torch.float32
         self.groups = ProcessGroups(plan.mesh, device_mesh, rank)
         self.shards = ParamShards(plan, self.groups, specs)
-        tp_mesh = self.groups.tp_mesh
-        self.activations = TensorParallelLayouts(plan, tp_mesh) if tp_mesh is not None else None
+        mesh = self.groups.activation_mesh
+        self.activations = ActivationLayouts(plan, mesh) if mesh is not None else None
         self.grads = GradientSync(self.groups, self.shards.layouts, bucket_numel, self.reduce_dtype)
         param_axes = {lay.data_axes["param"] for lay in self.shards.layouts if lay.data_axes["param"]}
         if len(param_axes) > 1:
@@ -79,7 +79,7 @@ class Parallel:
         gathered first under ZeRO-3, recomputed in the backward as ``recompute`` says (the
         ``call`` of ``fxmega.models.pieces.run_pieces``)."""
         leaves, leaf_lays = tree.leaves(params), tree.leaves(lays)
-        tp = self.activations
+        tp = self.activations  # tp and/or cp
 
         def rebuild(ts: list[torch.Tensor]) -> dict:
             return tree.unflatten_like(params, ts if tp is None else [tp.wrap_param(t, lay)
@@ -93,20 +93,27 @@ class Parallel:
         return gathered_call(fn, leaves, dims, world, group, rebuild, *args, regather=self.regather,
                              recompute=recompute, dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
 
+    def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What this rank reads of one of its data rank's micro batches: all of it, or under
+        cp its head-tail chunks of every sequence with their positions."""
+        cp = self.groups.cp
+        return batch if cp == 1 else chunk_of(batch, self.groups.coords["cp"], cp)
+
     def loss_sum_fn(self, model_loss: PiecewiseLoss) -> Callable[[list[torch.Tensor], dict], torch.Tensor]:
         """``(flat local params, local batch) -> this data rank's summed loss`` (a plain
         tensor), for ``fxmega.training.step``: ``model_loss`` run with this rank's parameter tree,
         its piece call (cast, ZeRO-3 gather, recompute) and its layouts."""
-        tp = self.activations
+        act = self.activations
+        # every tp rank reads the same tokens; a cp rank its chunks of each sequence (``local_batch``)
+        batch_axes = ("batch", "ctx") if self.groups.cp > 1 else None
 
         def loss_sum(flat: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
             params = tree.unflatten_like(self.shards.layout_tree, flat)
-            if tp is not None:  # every tp rank reads the same tokens
-                batch = {k: tp.wrap(v, None) for k, v in batch.items()}
-            with layout.activate(tp):
+            if act is not None:
+                batch = {k: act.wrap(v, batch_axes) for k, v in batch.items()}
+            with layout.activate(act):
                 loss = model_loss(params, batch, self.call, self.shards.layout_tree)
-            if isinstance(loss, DTensor):  # may still be a partial sum over tp: reduce it
-                loss = loss.redistribute(tp.tp_mesh, [Replicate()]).to_local()
-            return loss
+            # may still be a partial sum over tp's vocabulary or cp's chunks: reduce it
+            return loss if act is None else act.to_replicated_local(loss)
 
         return loss_sum

@@ -32,7 +32,8 @@ Batch = dict[str, torch.Tensor]
 def my_micro_batches(batch: Batch, micro: int, parallel: Parallel | None, device: torch.device) -> list[Batch]:
     """This data rank's micro batches of a global batch, on ``device``."""
     parts = micro_batches(batch, micro) if parallel is None else \
-        micro_batches(batch, micro, parallel.groups.data_rank, parallel.groups.data_size)
+        [parallel.local_batch(b) for b in micro_batches(batch, micro, parallel.groups.data_rank,
+                                                           parallel.groups.data_size)]
     return [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in parts]
 
 

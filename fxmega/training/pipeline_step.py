@@ -28,7 +28,6 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed import pipelining
-from torch.distributed.tensor import DTensor, Replicate
 
 from fxmega.core import tree
 from fxmega.core.log import get_logger
@@ -154,8 +153,8 @@ class PipelineStep:
         batch = {k: self._wrap(packed[:, i].to(dtype), None) for i, (k, dtype) in enumerate(self._target_keys)}
         with layout.activate(par.activations):
             loss, _ = self._objective_now(self._wrap(outputs, self._output_axes), batch)
-        if isinstance(loss, DTensor):
-            loss = loss.redistribute(par.groups.tp_mesh, [Replicate()]).to_local()
+        if par.activations is not None:
+            loss = par.activations.to_replicated_local(loss)
         return loss * self._inv_tokens
 
     def stage_kwargs(self, micro: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

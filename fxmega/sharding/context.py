@@ -1,0 +1,71 @@
+"""Context parallelism's split of the sequence: each of ``cp`` ranks holds two of ``2 cp``
+equal chunks, chunk ``r`` and chunk ``2 cp - 1 - r`` (the head-tail, or "zigzag", order of
+Megatron-LM/Transformer Engine and torchtitan). Under a causal mask a query attends to the
+keys before it, so early chunks are cheap and late ones dear; pairing the r-th from the
+front with the r-th from the back gives every rank the same attention work.
+
+The model sees the rank's tokens in that order with each token's ``positions``, from which
+the learned position embedding, the rotary tables and the causal mask are all taken.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fxmega.core.errors import ConfigError
+from fxmega.models.registry import ModelFamily
+from fxmega.sharding.mesh import MeshSpec
+
+
+def check_context_parallel(cfg: Any, mesh: MeshSpec, model: ModelFamily) -> None:
+    """Refuse, before anything is built, what context parallelism does not do (yet)."""
+    cp = mesh.size("cp")
+    if cp == 1:
+        return
+    name = getattr(model, "__name__", type(model).__name__).rsplit(".", 1)[-1]
+    if not getattr(model, "CONTEXT_PARALLEL", False):
+        raise ConfigError(f"--mesh {cfg.parallel.mesh}: the {name} model does not take out-of-order positions, which "
+                          f"context parallelism needs (GPT and Llama causal language models do): drop cp")
+    if mesh.size("pp") > 1:
+        raise ConfigError(f"--mesh {cfg.parallel.mesh}: context parallelism with pipeline stages is not implemented "
+                          f"yet: use cp with dp, fsdp and tp, or pp without cp")
+    if cfg.compute.loss_chunk:
+        raise ConfigError(f"compute.loss_chunk={cfg.compute.loss_chunk} is not implemented with context parallelism "
+                          f"yet: set compute.loss_chunk=0 (each cp rank's logits are already 1/{cp} of the sequence)")
+    head_tail_order(cfg.train.seq_len, cp)  # the sequence splits into 2 cp chunks
+
+
+def head_tail_order(seq_len: int, cp: int) -> torch.Tensor:
+    """The sequence's positions in the order the cp ranks hold them: rank 0's two chunks,
+    then rank 1's, ... (the order of a DTensor split along the sequence over cp)."""
+    if seq_len % (2 * cp):
+        raise ConfigError(f"sequence length {seq_len} does not split into 2 x cp = {2 * cp} equal chunks for "
+                          f"context parallelism: choose --seq-length a multiple of {2 * cp}")
+    chunks = torch.arange(seq_len).chunk(2 * cp)
+    return torch.cat([torch.cat([chunks[r], chunks[2 * cp - 1 - r]]) for r in range(cp)])
+
+
+def chunk_of(batch: dict[str, torch.Tensor], cp_rank: int, cp: int) -> dict[str, torch.Tensor]:
+    """Rank ``cp_rank``'s part of every ``[batch, seq]`` entry of ``batch``, and its
+    ``positions`` (entries of other shapes, e.g. a classifier's labels, are refused)."""
+    seq = batch["inputs"].shape[1]
+    mine = head_tail_order(seq, cp).view(cp, -1)[cp_rank]
+    out = {}
+    for key, value in batch.items():
+        if value.ndim < 2 or value.shape[1] != seq:
+            raise ConfigError(f"context parallelism splits every batch entry along the sequence, but {key!r} has "
+                              f"shape {tuple(value.shape)}: it trains language-model objectives only")
+        out[key] = value.index_select(1, mine.to(value.device))
+    given = batch.get("positions")
+    out["positions"] = (given.index_select(1, mine.to(given.device)) if given is not None
+                        else mine.to(batch["inputs"].device).expand(batch["inputs"].shape[0], -1).contiguous())
+    return out
+
+
+def attention_work(seq_len: int, cp: int) -> list[int]:
+    """Query-key pairs a causal mask allows on each cp rank (its attention FLOPs, up to a
+    constant): equal on every rank under the head-tail order."""
+    order = head_tail_order(seq_len, cp).view(cp, -1)
+    return [int((q + 1).sum()) for q in order]  # query at position p attends to p + 1 keys

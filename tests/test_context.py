@@ -1,0 +1,127 @@
+"""Context parallelism: the head-tail split of each sequence, balanced attention work, a
+model that reads out-of-order chunks through explicit positions, and cp meshes that train
+like one device (losses, gradient norms, every gradient, parameters)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from fxmega.config import ParallelConfig, override
+from fxmega.core.errors import ConfigError
+from fxmega.models import bert, gpt, llama, lm_loss_sum
+from fxmega.ops.init import init_params
+from fxmega.sharding.context import attention_work, check_context_parallel, chunk_of, head_tail_order
+from fxmega.sharding.mesh import MeshSpec
+from fxmega.training.run import Run
+from tests.multirank import run_ranks
+from tests.parity import assert_matches_one_device, record
+from tests.sharding_workers import tiny_config
+from tests.tolerance import assert_within_rounding
+
+
+def test_head_tail_order():
+    # cp=2, 8 tokens: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert head_tail_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    batch = {"inputs": torch.arange(16).view(2, 8), "targets": torch.arange(16).view(2, 8) + 1}
+    mine = chunk_of(batch, 1, 2)
+    assert mine["inputs"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert mine["positions"].tolist() == [[2, 3, 4, 5]] * 2
+    with pytest.raises(ConfigError, match="sequence length 12 does not split into 2 x cp = 8 equal chunks"):
+        head_tail_order(12, 4)
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_causal_attention_work_is_equal_on_every_rank(cp):
+    # the query-key pairs a causal mask allows, counted per rank: exactly equal under head-tail,
+    # where contiguous chunks would give the last rank 2 cp - 1 times the first's
+    work = attention_work(4096, cp)
+    assert len(set(work)) == 1 and sum(work) == 4096 * 4097 // 2
+    contiguous = [int((torch.arange(4096).view(cp, -1)[r] + 1).sum()) for r in range(cp)]
+    assert contiguous[-1] / contiguous[0] > 2 * cp - 2
+
+
+@pytest.mark.parametrize("module,name", [(gpt, "tiny_gpt"), (llama, "tiny_llama")])
+@pytest.mark.parametrize("padded", [False, True])
+def test_out_of_order_tokens_with_positions_give_the_same_loss(module, name, padded):
+    """The whole model reads a sequence in head-tail order through explicit positions (the
+    learned position table, the rotary tables and the causal mask come from them) and gives
+    the in-order loss and gradients: what each cp rank relies on."""
+    cfg = tiny_config(model=name).model
+    params = init_params(module.param_specs(cfg), seed=0)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, cfg.vocab_size, (2, 32))
+    batch = {"inputs": tokens, "targets": tokens.roll(-1, 1)}
+    if padded:  # right padding: the second row's last 10 tokens
+        valid = torch.ones(2, 32)
+        valid[1, 22:] = 0
+        batch |= {"attention_mask": valid, "loss_mask": valid}
+    order = head_tail_order(32, 4)
+    shuffled = {k: v[:, order] for k, v in batch.items()} | {"positions": order.expand(2, -1)}
+    leaves = [p.requires_grad_(True) for p in torch.utils._pytree.tree_leaves(params)]
+    want = lm_loss_sum(params, batch, cfg)
+    want_grads = torch.autograd.grad(want, leaves)
+    got = lm_loss_sum(params, shuffled, cfg)
+    got_grads = torch.autograd.grad(got, leaves)
+    # per token and block: d_model, the MLP width and the 32 keys of attention; then the
+    # vocabulary; summed over the 64 tokens. The largest gradient entry bounds every entry.
+    ffn = getattr(cfg, "ffn_dim", 0) or cfg.d_ff
+    lengths = (cfg.n_layers * (cfg.d_model + ffn + 32), cfg.d_model + cfg.vocab_size, 64)
+    assert_within_rounding(got, want, lengths, what="loss")
+    scale = max(float(w.abs().max()) for w in want_grads)
+    for g, w in zip(got_grads, want_grads):
+        assert_within_rounding(g, w, lengths, scale=scale, what="gradient")
+    in_order_mask = lm_loss_sum(params, {k: v[:, order] for k, v in batch.items()}, cfg)
+    # without the positions the order matters: the check above is not vacuous
+    assert abs(float(in_order_mask.detach()) - float(want.detach())) > 1e-3
+
+
+def test_refusals():
+    cfg = tiny_config(model="tiny_gpt")
+    for mesh, model, message in [
+            ("cp=2,pp=2", gpt, "context parallelism with pipeline stages is not implemented yet"),
+            ("cp=2", bert, "the bert model does not take out-of-order positions")]:
+        with pytest.raises(ConfigError, match=message):
+            check_context_parallel(dataclasses.replace(cfg, parallel=ParallelConfig(mesh=mesh)),
+                                   MeshSpec.parse(mesh), model)
+    odd = override(cfg, ["train.seq_len=20", "parallel.mesh=cp=4"])
+    with pytest.raises(ConfigError, match="sequence length 20 does not split into 2 x cp = 8"):
+        check_context_parallel(odd, MeshSpec.parse("cp=4"), gpt)
+    assert MeshSpec.parse("2x1x1x2").size("cp") == 2  # the positional form's fourth size
+
+
+# ---- cp meshes equal one device -------------------------------------------------------------
+# name -> (model, parallel settings, ranks); sequence 1024 (the tiny models' 64 positions
+# raised to it), global batch of 4 in micro batches of 2
+CP_RUNS = {
+    "gpt_cp2": ("tiny_gpt", dict(mesh="cp=2"), 2),
+    "llama_cp2": ("tiny_llama", dict(mesh="cp=2"), 2),
+}
+CP_STEPS = 3
+LONG = ("train.seq_len=1024", "model.max_seq_len=1024", "train.global_batch_size=4", "train.micro_batch_size=2")
+
+
+def _cp_config(model: str, parallel: dict | None = None):
+    return tiny_config(parallel, model=model, extra=("train.compile_backend=aot_eager", *LONG))
+
+
+def cp_runs(names: list[str]) -> dict | None:
+    from tests.sharding_workers import train
+
+    out = {name: train(_cp_config(CP_RUNS[name][0], CP_RUNS[name][1]), CP_STEPS, collectives=False)[1]
+           for name in names}
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.mark.slow
+def test_cp2_matches_one_device():
+    got = run_ranks(2, "tests.test_context:cp_runs", list(CP_RUNS))[0]
+    for model in ("tiny_gpt", "tiny_llama"):
+        cfg = _cp_config(model)
+        ref = record(Run(cfg), CP_STEPS)
+        for name, (m, _, _) in CP_RUNS.items():
+            if m == model:
+                assert_matches_one_device(got[name], ref, cfg, name)
+
