@@ -23,6 +23,8 @@ from fxmega.models import family_name, model_for, registry
 from fxmega.models.registry import ModelConfig
 from fxmega.sharding.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 
+CP_ATTENTION = ("allgather", "a2a")  # parallel.cp_attention
+
 # torch.compile backends a run may use: inductor generates fused kernels; aot_eager traces
 # the same forward+backward graph (collectives included) and runs it op by op, which
 # compiles in seconds instead of a minute on a CPU (debugging, and the tests that check
@@ -113,6 +115,9 @@ class ParallelConfig:
     virtual_stages: int = 1  # stages per pp rank (interleaved schedules; Megatron: virtual pipeline size)
     # stages like "Et*3|t*4|t*3L"; empty: balanced by cost (Megatron: --pipeline-model-parallel-layout)
     pipeline_layout: str = ""
+    # how attention reaches keys on other cp ranks (Megatron: --cp-comm-type): allgather (each
+    # rank gathers the keys and values) or a2a (Ulysses: all-to-all from sequence to head shards)
+    cp_attention: str = "allgather"
 
 
 @dataclass(frozen=True)
@@ -340,3 +345,5 @@ def _validate(cfg: RunConfig, dp: int | None) -> None:
     _require(p.pipeline_schedule in PIPELINE_SCHEDULES,
              f"parallel.pipeline_schedule={p.pipeline_schedule!r}: use one of {', '.join(PIPELINE_SCHEDULES)}")
     _require(p.virtual_stages >= 1, f"parallel.virtual_stages={p.virtual_stages} must be at least 1")
+    _require(p.cp_attention in CP_ATTENTION, f"parallel.cp_attention={p.cp_attention!r}: use one of "
+             f"{', '.join(CP_ATTENTION)}" + (" (the ring is not implemented yet)" if p.cp_attention == "ring" else ""))

@@ -82,10 +82,18 @@ def test_refusals():
     cfg = tiny_config(model="tiny_gpt")
     for mesh, model, message in [
             ("cp=2,pp=2", gpt, "context parallelism with pipeline stages is not implemented yet"),
-            ("cp=2", bert, "the bert model does not take out-of-order positions")]:
+            ("cp=2", bert, "the bert model does not take out-of-order positions"),
+            ("cp=2,tp=2", llama, "context parallelism with tensor parallelism is not implemented yet")]:
         with pytest.raises(ConfigError, match=message):
             check_context_parallel(dataclasses.replace(cfg, parallel=ParallelConfig(mesh=mesh)),
                                    MeshSpec.parse(mesh), model)
+    a2a = override(tiny_config(model="tiny_llama"), ["parallel.mesh=cp=4", "parallel.cp_attention=a2a",
+                                                     "train.seq_len=64"])
+    with pytest.raises(ConfigError, match="a2a splits the attention heads over cp x tp = 4 ranks, but the model has "
+                                          "2 kv heads"):
+        check_context_parallel(a2a, MeshSpec.parse("cp=4"), llama)
+    with pytest.raises(ConfigError, match="cp_attention='ring': use one of allgather, a2a"):
+        override(cfg, ["parallel.cp_attention=ring"]).validate()
     odd = override(cfg, ["train.seq_len=20", "parallel.mesh=cp=4"])
     with pytest.raises(ConfigError, match="sequence length 20 does not split into 2 x cp = 8"):
         check_context_parallel(odd, MeshSpec.parse("cp=4"), gpt)
@@ -98,6 +106,16 @@ def test_refusals():
 CP_RUNS = {
     "gpt_cp2": ("tiny_gpt", dict(mesh="cp=2"), 2),
     "llama_cp2": ("tiny_llama", dict(mesh="cp=2"), 2),
+    # composed with the other axes on 4 ranks, and cp=4
+    "gpt_cp2_dp2": ("tiny_gpt", dict(mesh="dp=2,cp=2"), 4),
+    "gpt_cp2_fsdp2": ("tiny_gpt", dict(mesh="fsdp=2,cp=2", rules="fsdp"), 4),
+    "gpt_cp2_zero3": ("tiny_gpt", dict(mesh="dp=2,cp=2", rules="zero3"), 4),
+    "llama_cp4": ("tiny_llama", dict(mesh="cp=4"), 4),
+    "gpt_cp4": ("tiny_gpt", dict(mesh="cp=4"), 4),
+    # all-to-all (Ulysses): the tiny GPT's 4 heads and the tiny Llama's 2 kv heads over cp=2
+    "gpt_cp2_a2a": ("tiny_gpt", dict(mesh="cp=2", cp_attention="a2a"), 2),
+    "llama_cp2_a2a": ("tiny_llama", dict(mesh="cp=2", cp_attention="a2a"), 2),
+    "llama_cp2_dp2_a2a": ("tiny_llama", dict(mesh="dp=2,cp=2", cp_attention="a2a"), 4),
 }
 CP_STEPS = 3
 LONG = ("train.seq_len=1024", "model.max_seq_len=1024", "train.global_batch_size=4", "train.micro_batch_size=2")
@@ -115,13 +133,17 @@ def cp_runs(names: list[str]) -> dict | None:
     return out if torch.distributed.get_rank() == 0 else None
 
 
+@pytest.fixture(scope="module")
+def references() -> dict:
+    return {model: record(Run(_cp_config(model)), CP_STEPS) for model in ("tiny_gpt", "tiny_llama")}
+
+
 @pytest.mark.slow
-def test_cp2_matches_one_device():
-    got = run_ranks(2, "tests.test_context:cp_runs", list(CP_RUNS))[0]
-    for model in ("tiny_gpt", "tiny_llama"):
-        cfg = _cp_config(model)
-        ref = record(Run(cfg), CP_STEPS)
-        for name, (m, _, _) in CP_RUNS.items():
-            if m == model:
-                assert_matches_one_device(got[name], ref, cfg, name)
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_cp_meshes_match_one_device(ranks, references):
+    names = [name for name, (_, _, n) in CP_RUNS.items() if n == ranks]
+    got = run_ranks(ranks, "tests.test_context:cp_runs", names)[0]
+    for name in names:
+        model = CP_RUNS[name][0]
+        assert_matches_one_device(got[name], references[model], _cp_config(model), name)
 

@@ -77,6 +77,10 @@ def test_fake_parallel_shards_match_the_plan():
     ("tiny_llama", ["parallel.mesh=dp=2,fsdp=2,tp=2", "parallel.rules=fsdp"]),  # HSDP x TP
     ("tiny_gpt", ["parallel.mesh=fsdp=4", "parallel.rules=fsdp"]),
     ("tiny_bert", ["parallel.mesh=dp=2", "parallel.zero=3"]),  # BERT: one piece
+    # context parallelism (all-gather attention): sequence 64 in 4 chunks over cp=2
+    ("tiny_gpt", ["parallel.mesh=cp=2", "train.seq_len=64"]),
+    ("tiny_llama", ["parallel.mesh=dp=2,cp=2", "train.seq_len=64"]),
+    ("tiny_gpt", ["parallel.mesh=cp=2", "train.seq_len=64", "compute.recompute=full"]),
 ])
 @pytest.mark.slow
 def test_estimated_collectives_equal_the_traced_step(name, sets):

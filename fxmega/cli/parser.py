@@ -102,7 +102,7 @@ GROUPS: dict[str, list[Flag]] = {
              help="sets parallel.mesh: the device mesh, e.g. 8x4x2 (dp x tp x pp) or dp=2,tp=2"),
         *_keys("--rules parallel.rules --zero parallel.zero --ddp-bucket-size parallel.bucket_size "
                "--pipeline-schedule parallel.pipeline_schedule --virtual-stages parallel.virtual_stages "
-               "--pipeline-layout parallel.pipeline_layout"),
+               "--pipeline-layout parallel.pipeline_layout --cp-attention parallel.cp_attention"),
         Flag("--sequence-parallel", "split the residual stream along the sequence over tp (Megatron's sequence "
              "parallelism)", switch="parallel.sequence_parallel=true"),
     ],

@@ -119,6 +119,8 @@ def _attention_at_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
 _QKV_AXES = ("batch", None, "heads", "head_dim")
 _KV_AXES = ("batch", None, "kv_heads", "head_dim")
 _Q_CTX_AXES = ("batch", "ctx", "heads", "head_dim")
+_Q_HEADS_AXES = ("batch", None, "cp_heads", "head_dim")
+_KV_HEADS_AXES = ("batch", None, "cp_kv_heads", "head_dim")
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -134,10 +136,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     from them, through an explicit mask.
     """
     if positions is not None:
-        pos_q, pos_k = ("batch", "ctx"), ("batch", None)
-        in_axes = (_Q_CTX_AXES, _KV_AXES, _KV_AXES, None, pos_q, pos_k) + ((pos_k,) if valid is not None else ())
-        fn = local(_attention_at_positions, in_axes, _Q_CTX_AXES)
-        return fn(q, k, v, rope, positions, positions, *(() if valid is None else (valid,)))
+        whole = ("batch", None)
+        if getattr(active(), "cp_attention", None) == "a2a":
+            # Ulysses: an all-to-all turns the sequence shards into head shards, every rank
+            # attends the whole sequence with its heads, and another turns them back
+            q_axes, kv_axes, pos_q = _Q_HEADS_AXES, _KV_HEADS_AXES, whole
+        else:  # all-gather: the queries stay, the keys and values (kv heads only) are gathered
+            q_axes, kv_axes, pos_q = _Q_CTX_AXES, _KV_AXES, ("batch", "ctx")
+        in_axes = (q_axes, kv_axes, kv_axes, None, pos_q, whole) + ((whole,) if valid is not None else ())
+        out = local(_attention_at_positions, in_axes, q_axes)(q, k, v, rope, positions, positions,
+                                                               *(() if valid is None else (valid,)))
+        return shard(out, *_Q_CTX_AXES)
     if valid is None:
         fn = local(_causal_attention, (_QKV_AXES, _KV_AXES, _KV_AXES, None), _QKV_AXES)
         return fn(q, k, v, rope)

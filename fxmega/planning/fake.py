@@ -27,6 +27,7 @@ from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.core.precision import compute_dtype
 from fxmega.models import loss_by_pieces, model_for
+from fxmega.sharding.context import check_context_parallel
 from fxmega.sharding.distributed import local_specs
 from fxmega.sharding.inspect import Collective, record_collectives
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh
@@ -61,8 +62,9 @@ def fake_parallel(cfg: RunConfig, rank: int) -> Parallel:
     plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
     device_mesh = build_device_mesh(mesh, "cpu")
     local = local_specs(model.param_specs(cfg.model), plan, mesh.coords(rank)["pp"])
+    check_context_parallel(cfg, mesh, model)
     return Parallel(plan, device_mesh, rank, local, cfg.parallel.bucket_size, cfg.parallel.zero3_regather,
-                    cfg.compute)
+                    cfg.compute, cfg.parallel.cp_attention)
 
 
 def meta_params(par: Parallel) -> tree.Tree:
@@ -122,6 +124,7 @@ def trace_rank_step(cfg: RunConfig, par: Parallel) -> RankTrace:
     decay = decay_mask(par.specs, cfg.optim.decay_embeddings)
     batch = {"inputs": torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta"),
              "targets": torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta")}
+    batch = par.local_batch(batch)  # under cp: this rank's chunks and their positions
     with record_collectives() as graphs:
         if par.plan.pipeline is None:
             loss_sum = par.loss_sum_fn(loss_by_pieces(cfg.model, par.compute))

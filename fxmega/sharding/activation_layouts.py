@@ -30,19 +30,22 @@ from fxmega.sharding.plan import ParamLayout, ShardingPlan
 Axes = tuple[str | None, ...]
 # the logical names of the sequence that context parallelism splits
 CONTEXT_AXES = ("seq", "ctx")
+# heads split over cp as well as tp: all-to-all (Ulysses) attention's layout inside attention
+CP_HEADS = {"cp_heads": "heads", "cp_kv_heads": "kv_heads"}
 
 
 class ActivationLayouts:
     """Logical axis names -> placements on ``mesh`` (its dims: ``cp`` and/or ``tp``)."""
 
-    def __init__(self, plan: ShardingPlan, mesh: DeviceMesh) -> None:
+    def __init__(self, plan: ShardingPlan, mesh: DeviceMesh, cp_attention: str = "allgather") -> None:
         self.plan, self.mesh = plan, mesh
         self.axes: tuple[str, ...] = tuple(mesh.mesh_dim_names)
+        self.cp_attention = cp_attention if "cp" in self.axes else None  # what ``layers`` asks for
 
     def _dim(self, axes: Axes, mesh_axis: str) -> int | None:
         if mesh_axis == "tp":
-            return self.plan.activation_tp_dims(axes)
-        dims = [i for i, name in enumerate(axes) if name in CONTEXT_AXES]
+            return self.plan.activation_tp_dims(tuple(CP_HEADS.get(a, a) if a else a for a in axes))
+        dims = [i for i, name in enumerate(axes) if name in CONTEXT_AXES or name in CP_HEADS]
         return dims[0] if dims else None
 
     def placement(self, axes: Axes) -> list:

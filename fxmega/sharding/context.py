@@ -31,10 +31,24 @@ def check_context_parallel(cfg: Any, mesh: MeshSpec, model: ModelFamily) -> None
     if mesh.size("pp") > 1:
         raise ConfigError(f"--mesh {cfg.parallel.mesh}: context parallelism with pipeline stages is not implemented "
                           f"yet: use cp with dp, fsdp and tp, or pp without cp")
+    if mesh.size("tp") > 1:
+        # DTensor's views (the projections' reshapes) on a cp x tp mesh fail to trace in
+        # torch.compile (PendingUnbackedSymbolNotFound, torch 2.13); cp x tp needs cp outside
+        # DTensor, as functional collectives on local tensors
+        raise ConfigError(f"--mesh {cfg.parallel.mesh}: context parallelism with tensor parallelism is not "
+                          f"implemented yet: use cp with dp, fsdp and ZeRO, or tp without cp")
     if cfg.compute.loss_chunk:
         raise ConfigError(f"compute.loss_chunk={cfg.compute.loss_chunk} is not implemented with context parallelism "
                           f"yet: set compute.loss_chunk=0 (each cp rank's logits are already 1/{cp} of the sequence)")
     head_tail_order(cfg.train.seq_len, cp)  # the sequence splits into 2 cp chunks
+    if cfg.parallel.cp_attention == "a2a":
+        ways = cp * mesh.size("tp")
+        heads = {"heads": cfg.model.n_heads, "kv heads": getattr(cfg.model, "kv_heads", cfg.model.n_heads)}
+        for what, n in heads.items():
+            if n % ways:
+                raise ConfigError(f"--cp-attention a2a splits the attention heads over cp x tp = {ways} ranks, but "
+                                  f"the model has {n} {what}: use --cp-attention allgather, or a cp x tp that "
+                                  f"divides {n}")
 
 
 def head_tail_order(seq_len: int, cp: int) -> torch.Tensor:

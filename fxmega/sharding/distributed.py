@@ -112,7 +112,7 @@ def setup(cfg: RunConfig, mesh: MeshSpec, model: ModelFamily | None = None) -> t
     log.debug(f"rank {rank}: " + ", ".join(f"{a}={coords[a]}" for a in mesh.names) + f" on {device}")
     local = local_specs(specs, plan, coords["pp"])
     return Parallel(plan, device_mesh, rank, local, cfg.parallel.bucket_size, cfg.parallel.zero3_regather,
-                    cfg.compute), device
+                    cfg.compute, cfg.parallel.cp_attention), device
 
 
 def local_specs(specs: dict, plan, pp_rank: int) -> dict:

@@ -47,7 +47,7 @@ from fxmega.core.errors import ConfigError
 from fxmega.models import model_for
 from fxmega.models.census import Saved
 from fxmega.sharding import collectives
-from fxmega.sharding.mesh import DATA_AXES
+from fxmega.sharding.mesh import DATA_AXES, MeshSpec
 from fxmega.sharding.plan import ShardingPlan
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -66,10 +66,13 @@ class Workload:
     recompute_layers: int = 0  # 0: every block as ``recompute`` says
     grad_reduce: str = "fp32"
     loss_chunk: int = 0
+    cp: int = 1  # context-parallel ranks: each holds 1/cp of every sequence
+    cp_attention: str = "allgather"
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch * self.seq_len
+        """Tokens of one micro batch on one rank (its cp share)."""
+        return self.micro_batch * self.seq_len // self.cp
 
     @property
     def act_bytes(self) -> int:
@@ -80,7 +83,8 @@ def workload_of(cfg: Any, data_size: int) -> Workload:
     """The ``Workload`` of a ``RunConfig`` on a mesh with ``data_size`` data ranks."""
     t, c = cfg.train, cfg.compute
     return Workload(t.micro_batch_size, t.seq_len, max(1, cfg.grad_accum_steps(data_size)), c.precision,
-                    c.recompute, c.recompute_layers, c.grad_reduce, c.loss_chunk)
+                    c.recompute, c.recompute_layers, c.grad_reduce, c.loss_chunk,
+                    MeshSpec.parse(cfg.parallel.mesh).size("cp"), cfg.parallel.cp_attention)
 
 
 @dataclass
@@ -234,7 +238,7 @@ def memory(plan: ShardingPlan, model_cfg: Any, work: Workload) -> list[MemoryEst
         joint = plan.pipeline is None
         per_block = {m: block_bytes(shape, act, m, compiled=joint) for m in ("none", "selective", "full")}
         modes = [_mode(work, i) for i in blocks]
-        saved = sum(per_block[m] for m in modes)
+        saved = sum(per_block[m] for m in modes) + len(blocks) * _cp_attention_bytes(shape, work, act)
         has_head = plan.pipeline is None or any(s.head for s in plan.pipeline.stages_of(r))
         flight = in_flight(plan, r, work.n_micro)
         t = work.tokens
@@ -253,6 +257,18 @@ def memory(plan: ShardingPlan, model_cfg: Any, work: Workload) -> list[MemoryEst
                                   int(max(head_transient, block_transient)), len(blocks), flight,
                                   per_block[work.recompute]))
     return out
+
+
+def _cp_attention_bytes(shape: BlockShape, work: Workload, act: int) -> int:
+    """What a block's attention keeps under cp beyond its share of the tokens: the explicit
+    boolean mask (queries x keys: the chunks are out of order, so no causal kernel), and with
+    all-gather the gathered keys and values of the other ranks' chunks."""
+    if work.cp == 1:
+        return 0
+    queries = work.tokens if work.cp_attention == "allgather" else work.tokens * work.cp
+    mask = queries * work.seq_len
+    gathered = 2 * work.tokens * (work.cp - 1) * shape.kv_heads * shape.head_dim * act
+    return mask + (gathered if work.cp_attention == "allgather" else 0)
 
 
 def _mode(work: Workload, index: int) -> str:
@@ -284,6 +300,8 @@ def communication(plan: ShardingPlan, model_cfg: Any, work: Workload,
     tp = plan.tp
     if tp > 1:
         _tp_traffic(plan, work, shape, blocks, pp_rank, traffic.setdefault("tp", AxisTraffic()))
+    if work.cp > 1:
+        _cp_traffic(plan, work, shape, blocks, mine, model_cfg, traffic.setdefault("cp", AxisTraffic()))
     data_axes = tuple(a for a in DATA_AXES if mesh.size(a) > 1)
     if data_axes:
         _data_traffic(plan, mine, work, bucket_numel, traffic, model_groups(model_cfg),
@@ -305,6 +323,40 @@ def communication(plan: ShardingPlan, model_cfg: Any, work: Workload,
             tied = sum(p.local_numel("opt") for p in mine if len(plan.pp_owners(p.path)) > 1)
             pt.add("all_reduce", 1, tied * FP32, 2)
     return traffic
+
+
+def _cp_traffic(plan: ShardingPlan, work: Workload, shape: BlockShape, blocks: list[int], mine: list,
+                model_cfg: Any, out: AxisTraffic) -> None:
+    """Collectives over cp, per micro batch (counted in traced graphs of GPT on fake cp
+    meshes, tests/test_plan_scale.py). Attention, per block: all-gather reaches the other
+    chunks' keys and values (and their positions) in the forward, again in a recomputed
+    forward, and reduce-scatters their gradients; all-to-all (Ulysses) turns q, k, v from
+    sequence to head shards and the output back, forward and backward. Every parameter a
+    piece reads gets its gradient (a partial sum over the rank's chunks) all-reduced over cp
+    in the compute dtype, and the loss is summed."""
+    cp, n, act = work.cp, work.n_micro, work.act_bytes
+    kv_full = work.tokens * cp * shape.kv_heads * shape.head_dim * act
+    q_full = work.tokens * cp * shape.heads * shape.head_dim * act
+    positions_full = work.tokens * cp * 8  # int64
+    redone = sum(1 for i in blocks if _mode(work, i) == "full")
+    if work.cp_attention == "allgather":
+        out.add("all_gather", 2 * (len(blocks) + redone) * n, kv_full, cp)
+        out.add("all_gather", (len(blocks) + redone) * n, positions_full, cp)
+        out.add("reduce_scatter", 2 * len(blocks) * n, kv_full, cp)
+    else:
+        out.add("all_to_all", (4 * len(blocks) + 3 * redone) * n, (q_full + kv_full) / 2, cp)
+        out.add("all_to_all", 4 * len(blocks) * n, (q_full + kv_full) / 2, cp)
+        out.add("all_gather", 2 * (len(blocks) + redone) * n, positions_full, cp)
+    embed_groups, head_groups = model_groups(model_cfg)
+    for p in mine:  # each piece that reads a parameter all-reduces its gradient
+        group = p.path.split(".")[0]
+        reads = 0
+        if group == "blocks" or group in embed_groups:
+            reads += 1
+        if group in head_groups and ("vocab" in p.axes or group not in embed_groups):
+            reads += 1
+        out.add("all_reduce", reads * n, p.local_numel("param") * act, cp)
+    out.add("all_reduce", n, FP32, cp)  # the loss, summed over the chunks
 
 
 def _tp_traffic(plan: ShardingPlan, work: Workload, shape: BlockShape, blocks: list[int], pp_rank: int,

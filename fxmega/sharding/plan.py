@@ -166,9 +166,8 @@ def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy, pipeline: Pi
     for path, spec in leaves:
         plan.params[path] = _layout(path, spec, rules, zero, mesh, tp, data_sizes, vocab, padded_vocab)
     if mesh.size("cp") > 1:
-        plan.notes.append(f"cp={mesh.size('cp')}: each sequence is split into head-tail chunks over cp, parameters "
-                          f"are replicated over it and their gradients summed; fxmega's memory and communication "
-                          f"estimates do not model cp yet (whole-sequence activations, no K/V gathers)")
+        plan.notes.append(f"cp={mesh.size('cp')}: each sequence is split into head-tail chunks over cp; parameters "
+                          f"are replicated over it and their gradients summed over it in the backward")
     if pipeline is not None:
         sharded = [p.path for p in plan.params.values() if p.data_axes["grad"]]
         if sharded:

@@ -51,7 +51,8 @@ class Parallel:
     checkpoints), the compiled steps, evaluation and generation."""
 
     def __init__(self, plan: ShardingPlan, device_mesh: DeviceMesh, rank: int, specs: tree.Tree,
-                 bucket_numel: int = 0, regather: bool = True, compute: ComputeConfig | None = None) -> None:
+                 bucket_numel: int = 0, regather: bool = True, compute: ComputeConfig | None = None,
+                 cp_attention: str = "allgather") -> None:
         self.plan, self.rank, self.specs = plan, rank, specs
         self.regather = regather  # ZeRO-3: gather again in the backward (False keeps them: for measurements)
         self.compute = compute  # precision, recompute, kernels (None: fp32, no recompute)
@@ -61,7 +62,7 @@ class Parallel:
         self.groups = ProcessGroups(plan.mesh, device_mesh, rank)
         self.shards = ParamShards(plan, self.groups, specs)
         mesh = self.groups.activation_mesh
-        self.activations = ActivationLayouts(plan, mesh) if mesh is not None else None
+        self.activations = ActivationLayouts(plan, mesh, cp_attention) if mesh is not None else None
         self.grads = GradientSync(self.groups, self.shards.layouts, bucket_numel, self.reduce_dtype)
         param_axes = {lay.data_axes["param"] for lay in self.shards.layouts if lay.data_axes["param"]}
         if len(param_axes) > 1:
