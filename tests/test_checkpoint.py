@@ -219,6 +219,15 @@ def test_tp2_pp2_checkpoint_continues_on_dp4(tmp_path):
 
 
 @pytest.mark.slow
+def test_cp4_checkpoint_continues_on_dp2_cp2(tmp_path):
+    # context parallelism leaves the checkpoint as it is (parameters replicated over cp): a
+    # run saved on cp=4 continues on dp=2 x cp=2, the sequence now in 4 chunks instead of 8
+    r = run_ranks(4, "tests.checkpoint_workers:save_then_load", dict(mesh="cp=4"), str(tmp_path), 3,
+                  dict(mesh="dp=2,cp=2"))[0]
+    assert_losses_match(r["loaded_run"], r["saved_run"][3:], config(None), first_step=4)
+
+
+@pytest.mark.slow
 def test_single_device_checkpoint_continues_on_tp2(tmp_path):
     run = Run(config(None))
     straight = []
