@@ -12,7 +12,9 @@ from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor-tests"))
+# one cache per CPU kernel set: inductor's cache does not tell them apart (fxmega.core.device)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                      str(ROOT / ".cache" / "inductor-tests" / (os.environ.get("ATEN_CPU_CAPABILITY") or "native")))
 # Inductor compiles C++ kernels in a pool of worker processes, one per core by default; on
 # 2 cores, with gloo ranks compiling side by side, the pool costs more than it gains (the
 # suite ran 12% faster per compile in one thread). Children (ranks, run.py) inherit it.

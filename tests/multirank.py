@@ -20,7 +20,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
-CACHE = ROOT / ".cache" / "inductor-ranks"
+CACHE = ROOT / ".cache" / "inductor-ranks" / (os.environ.get("ATEN_CPU_CAPABILITY") or "native")  # see conftest
 
 
 def _free_port() -> int:

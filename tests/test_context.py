@@ -82,8 +82,7 @@ def test_refusals():
     cfg = tiny_config(model="tiny_gpt")
     for mesh, model, message in [
             ("cp=2,pp=2", gpt, "context parallelism with pipeline stages is not implemented yet"),
-            ("cp=2", bert, "the bert model does not take out-of-order positions"),
-            ("cp=2,tp=2", llama, "context parallelism with tensor parallelism is not implemented yet")]:
+            ("cp=2", bert, "the bert model does not take out-of-order positions")]:
         with pytest.raises(ConfigError, match=message):
             check_context_parallel(dataclasses.replace(cfg, parallel=ParallelConfig(mesh=mesh)),
                                    MeshSpec.parse(mesh), model)
@@ -110,12 +109,14 @@ CP_RUNS = {
     "gpt_cp2_dp2": ("tiny_gpt", dict(mesh="dp=2,cp=2"), 4),
     "gpt_cp2_fsdp2": ("tiny_gpt", dict(mesh="fsdp=2,cp=2", rules="fsdp"), 4),
     "gpt_cp2_zero3": ("tiny_gpt", dict(mesh="dp=2,cp=2", rules="zero3"), 4),
+    "llama_cp2_tp2_sp": ("tiny_llama", dict(mesh="cp=2,tp=2", sequence_parallel=True), 4),
     "llama_cp4": ("tiny_llama", dict(mesh="cp=4"), 4),
     "gpt_cp4": ("tiny_gpt", dict(mesh="cp=4"), 4),
     # all-to-all (Ulysses): the tiny GPT's 4 heads and the tiny Llama's 2 kv heads over cp=2
     "gpt_cp2_a2a": ("tiny_gpt", dict(mesh="cp=2", cp_attention="a2a"), 2),
     "llama_cp2_a2a": ("tiny_llama", dict(mesh="cp=2", cp_attention="a2a"), 2),
     "llama_cp2_dp2_a2a": ("tiny_llama", dict(mesh="dp=2,cp=2", cp_attention="a2a"), 4),
+    "gpt_cp2_tp2_a2a": ("tiny_gpt", dict(mesh="cp=2,tp=2", cp_attention="a2a"), 4),  # 4 heads over cp x tp
 }
 CP_STEPS = 3
 LONG = ("train.seq_len=1024", "model.max_seq_len=1024", "train.global_batch_size=4", "train.micro_batch_size=2")

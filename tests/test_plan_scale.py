@@ -81,6 +81,8 @@ def test_fake_parallel_shards_match_the_plan():
     ("tiny_gpt", ["parallel.mesh=cp=2", "train.seq_len=64"]),
     ("tiny_llama", ["parallel.mesh=dp=2,cp=2", "train.seq_len=64"]),
     ("tiny_gpt", ["parallel.mesh=cp=2", "train.seq_len=64", "compute.recompute=full"]),
+    ("tiny_llama", ["parallel.mesh=cp=2,tp=2", "parallel.sequence_parallel=true", "train.seq_len=64"]),
+    ("tiny_gpt", ["parallel.mesh=cp=2", "parallel.cp_attention=a2a", "train.seq_len=64"]),
 ])
 @pytest.mark.slow
 def test_estimated_collectives_equal_the_traced_step(name, sets):
@@ -89,7 +91,8 @@ def test_estimated_collectives_equal_the_traced_step(name, sets):
     cfg = override(cfg, [f"train.global_batch_size={cfg.train.micro_batch_size * mesh.data_size}"])
     with fake_world(mesh.world_size, 0):
         trace = trace_rank_step(cfg, fake_parallel(cfg, 0))
-    names = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter"}
+    names = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+             "all_to_all_single": "all_to_all"}
     traced = {axis: {names.get(op, op): n for op, (n, _) in ops.items()} for axis, ops in trace.by_axis().items()}
     predicted = {axis: t.ops for axis, t in estimate_plan(cfg, plan_of(cfg)).traffic.items()}
     assert traced == predicted

@@ -25,3 +25,11 @@ def set_deterministic() -> None:
     torch.use_deterministic_algorithms(True)
     if torch.cuda.is_available():
         torch.backends.cudnn.benchmark = False
+
+
+def kernel_cache_name() -> str:
+    """A name for inductor's kernel cache that differs between CPU kernel sets: torch 2.13's
+    cache does not key its compiled C++ on ``ATEN_CPU_CAPABILITY``, and kernels cached under
+    one capability, loaded under another, were measured to read garbage (NaN losses, indices
+    out of range) on an AVX-512 machine switched to ``avx2``."""
+    return os.environ.get("ATEN_CPU_CAPABILITY", "native") or "native"

@@ -54,7 +54,7 @@ class DecodeLayout:
     parallel ranks each decode the whole batch, the same on every one)."""
 
     def __init__(self, parallel: Parallel) -> None:
-        self.layouts = ActivationLayouts(parallel.plan, parallel.groups.tp_mesh)
+        self.layouts = ActivationLayouts(parallel.plan, parallel.groups.tp_mesh)  # no cp: each decodes it all
 
     @staticmethod
     def _whole_seq(axes: tuple[str | None, ...]) -> tuple[str | None, ...]:

@@ -10,7 +10,7 @@ Activation layouts use the names batch, seq, embed, heads, kv_heads, head_dim, m
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -98,12 +98,41 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: R
     return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[2] != q.shape[2])
 
 
+class Context(Protocol):
+    """What attention needs of context parallelism (``fxmega.sharding.context.ContextParallel``):
+    the other ranks' chunks, gathered or exchanged for head groups."""
+
+    mode: str
+
+    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor: ...
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def from_heads(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def _attention_across_chunks(context: Context | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             rope: Rope | None, positions: torch.Tensor,
+                             valid: torch.Tensor | None = None) -> torch.Tensor:
+    # Runs on local shards (heads may be split over tp): this rank's chunks of the sequence.
+    # With cp the keys and values of the whole sequence are gathered (allgather), or q, k
+    # and v exchanged for head groups of the whole sequence (a2a); causality comes from the
+    # positions, not from the order.
+    q_pos = k_pos = positions
+    if context is not None:
+        k_pos = context.gather(positions)
+        valid = context.gather(valid) if valid is not None else None
+        if context.mode == "a2a":
+            q, k, v, q_pos = context.to_heads(q), context.to_heads(k), context.to_heads(v), k_pos
+        else:
+            k, v = context.gather(k), context.gather(v)
+    out = _attention_at_positions(q, k, v, rope, q_pos, k_pos, valid)
+    return context.from_heads(out) if context is not None and context.mode == "a2a" else out
+
+
 def _attention_at_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None,
                             q_pos: torch.Tensor, k_pos: torch.Tensor,
                             valid: torch.Tensor | None = None) -> torch.Tensor:
-    # Runs on local shards: the queries may be any subset of the sequence (a context-parallel
-    # rank's chunks), the keys and values are the whole of it; causality comes from the
-    # positions, not from the order.
     if rope is not None:
         q = apply_rope(q, *rope.tables(q_pos, q.shape[-1]))
         k = apply_rope(k, *rope.tables(k_pos, k.shape[-1]))
@@ -114,13 +143,12 @@ def _attention_at_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
 
 
 # Inside attention the sequence is whole (None): batch and heads may be split. Given the
-# positions, the queries keep the block's layout ("ctx": split over cp) and only the keys
-# and values (the kv heads) are gathered along the sequence.
+# positions, it is the block's sequence ("ctx": a cp rank's chunks), reached across ranks
+# by the context's collectives.
 _QKV_AXES = ("batch", None, "heads", "head_dim")
 _KV_AXES = ("batch", None, "kv_heads", "head_dim")
 _Q_CTX_AXES = ("batch", "ctx", "heads", "head_dim")
-_Q_HEADS_AXES = ("batch", None, "cp_heads", "head_dim")
-_KV_HEADS_AXES = ("batch", None, "cp_kv_heads", "head_dim")
+_KV_CTX_AXES = ("batch", "ctx", "kv_heads", "head_dim")
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -136,17 +164,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     from them, through an explicit mask.
     """
     if positions is not None:
-        whole = ("batch", None)
-        if getattr(active(), "cp_attention", None) == "a2a":
-            # Ulysses: an all-to-all turns the sequence shards into head shards, every rank
-            # attends the whole sequence with its heads, and another turns them back
-            q_axes, kv_axes, pos_q = _Q_HEADS_AXES, _KV_HEADS_AXES, whole
-        else:  # all-gather: the queries stay, the keys and values (kv heads only) are gathered
-            q_axes, kv_axes, pos_q = _Q_CTX_AXES, _KV_AXES, ("batch", "ctx")
-        in_axes = (q_axes, kv_axes, kv_axes, None, pos_q, whole) + ((whole,) if valid is not None else ())
-        out = local(_attention_at_positions, in_axes, q_axes)(q, k, v, rope, positions, positions,
-                                                               *(() if valid is None else (valid,)))
-        return shard(out, *_Q_CTX_AXES)
+        context = getattr(active(), "context", None)
+
+        def attend(*args: torch.Tensor | Rope | None) -> torch.Tensor:
+            return _attention_across_chunks(context, *args)
+
+        seq = ("batch", "ctx")
+        in_axes = (_Q_CTX_AXES, _KV_CTX_AXES, _KV_CTX_AXES, None, seq) + ((seq,) if valid is not None else ())
+        return local(attend, in_axes, _Q_CTX_AXES)(q, k, v, rope, positions, *(() if valid is None else (valid,)))
     if valid is None:
         fn = local(_causal_attention, (_QKV_AXES, _KV_AXES, _KV_AXES, None), _QKV_AXES)
         return fn(q, k, v, rope)

@@ -5,7 +5,11 @@ keys before it, so early chunks are cheap and late ones dear; pairing the r-th f
 front with the r-th from the back gives every rank the same attention work.
 
 The model sees the rank's tokens in that order with each token's ``positions``, from which
-the learned position embedding, the rotary tables and the causal mask are all taken.
+the learned position embedding, the rotary tables and the causal mask are all taken. Each
+rank holds its chunks as plain local tensors, so everything but attention runs on 1/cp of
+the tokens with no communication; ``ContextParallel`` holds the collectives that reach
+across ranks: attention's gathers or all-to-alls, and the sum of every parameter's gradient
+(each rank's is a partial sum over its own tokens).
 """
 
 from __future__ import annotations
@@ -13,10 +17,57 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 
 from fxmega.core.errors import ConfigError
 from fxmega.models.registry import ModelFamily
 from fxmega.sharding.mesh import MeshSpec
+from fxmega.sharding.zero3 import backward_phase
+
+
+class SumGradOverContext(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over cp (a parameter's gradient on a
+    cp rank is the part its own tokens contribute)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        with backward_phase():
+            return funcol.all_reduce(grad, "sum", ctx.group), None
+
+
+class ContextParallel:
+    """The collectives of context parallelism over this rank's cp group (a 1-D mesh)."""
+
+    def __init__(self, group: Any, size: int, mode: str) -> None:
+        self.group, self.size, self.mode = group, size, mode
+
+    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Every rank's chunks along ``dim``, in rank order (the head-tail order of the whole
+        sequence); the backward reduce-scatters the gradient back to the chunks' owners."""
+        return funcol.all_gather_tensor_autograd(x.contiguous(), gather_dim=dim, group=self.group)
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``[batch, seq/cp, heads, d]`` -> ``[batch, seq, heads/cp, d]`` by one all-to-all:
+        rank j receives head group j of every rank's chunks (Ulysses)."""
+        b, s, h, d = x.shape
+        parts = x.reshape(b, s, self.size, h // self.size, d).permute(2, 0, 1, 3, 4).contiguous()
+        got = funcol.all_to_all_single_autograd(parts, None, None, self.group)  # [source rank, b, s, h/cp, d]
+        return got.permute(1, 0, 2, 3, 4).reshape(b, self.size * s, h // self.size, d)
+
+    def from_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``to_heads``: back to this rank's chunks with every head."""
+        b, s, h, d = x.shape
+        parts = x.reshape(b, self.size, s // self.size, h, d).permute(1, 0, 2, 3, 4).contiguous()
+        got = funcol.all_to_all_single_autograd(parts, None, None, self.group)  # [head group, b, s/cp, h, d]
+        return got.permute(1, 2, 0, 3, 4).reshape(b, s // self.size, self.size * h, d)
+
+    def sum_grads(self, x: torch.Tensor) -> torch.Tensor:
+        return SumGradOverContext.apply(x, self.group)
 
 
 def check_context_parallel(cfg: Any, mesh: MeshSpec, model: ModelFamily) -> None:
@@ -31,12 +82,6 @@ def check_context_parallel(cfg: Any, mesh: MeshSpec, model: ModelFamily) -> None
     if mesh.size("pp") > 1:
         raise ConfigError(f"--mesh {cfg.parallel.mesh}: context parallelism with pipeline stages is not implemented "
                           f"yet: use cp with dp, fsdp and tp, or pp without cp")
-    if mesh.size("tp") > 1:
-        # DTensor's views (the projections' reshapes) on a cp x tp mesh fail to trace in
-        # torch.compile (PendingUnbackedSymbolNotFound, torch 2.13); cp x tp needs cp outside
-        # DTensor, as functional collectives on local tensors
-        raise ConfigError(f"--mesh {cfg.parallel.mesh}: context parallelism with tensor parallelism is not "
-                          f"implemented yet: use cp with dp, fsdp and ZeRO, or tp without cp")
     if cfg.compute.loss_chunk:
         raise ConfigError(f"compute.loss_chunk={cfg.compute.loss_chunk} is not implemented with context parallelism "
                           f"yet: set compute.loss_chunk=0 (each cp rank's logits are already 1/{cp} of the sequence)")

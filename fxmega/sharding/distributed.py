@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fxmega.config import RunConfig
+from fxmega.core.device import kernel_cache_name
 from fxmega.core.log import get_logger
 from fxmega.models import model_for
 from fxmega.models.registry import ModelFamily
@@ -61,7 +62,7 @@ def per_rank_caches() -> None:
     base = os.environ.get("FXMEGA_INDUCTOR_CACHE_BASE") or os.environ.get("TORCHINDUCTOR_CACHE_DIR") or \
         os.path.join("/tmp", f"torchinductor_{os.environ.get('USER', 'user')}")
     os.environ["FXMEGA_INDUCTOR_CACHE_BASE"] = base
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, f"rank{rank}")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(base, kernel_cache_name(), f"rank{rank}")
 
 
 def init(mesh: MeshSpec, timeout_s: int, device_type: str | None = None):

@@ -301,16 +301,18 @@ def communication(plan: ShardingPlan, model_cfg: Any, work: Workload,
     if tp > 1:
         _tp_traffic(plan, work, shape, blocks, pp_rank, traffic.setdefault("tp", AxisTraffic()))
     if work.cp > 1:
-        _cp_traffic(plan, work, shape, blocks, mine, model_cfg, traffic.setdefault("cp", AxisTraffic()))
+        _cp_traffic(work, shape, blocks, mine, traffic.setdefault("cp", AxisTraffic()))
     data_axes = tuple(a for a in DATA_AXES if mesh.size(a) > 1)
     if data_axes:
         _data_traffic(plan, mine, work, bucket_numel, traffic, model_groups(model_cfg),
                       embed_backward_reads_params(model_cfg))
-        # the step's loss, summed over the data ranks
-        traffic.setdefault("+".join(data_axes), AxisTraffic()).add("all_reduce", 1, FP32, mesh.data_size)
+    token_axes = data_axes + (("cp",) if work.cp > 1 else ())
+    if token_axes:  # the step's loss, summed over the data ranks and cp's chunks
+        traffic.setdefault("+".join(token_axes), AxisTraffic()).add("all_reduce", 1, FP32,
+                                                                     mesh.data_size * work.cp)
     if mesh.world_size > 1:  # the global gradient norm (on the one axis's group when only one is split)
         split = tuple(a for a in mesh.names if mesh.size(a) > 1)
-        world = "+".join(split) if split == data_axes or len(split) == 1 else "world"
+        world = "+".join(split) if split in (data_axes, token_axes) or len(split) == 1 else "world"
         traffic.setdefault(world, AxisTraffic()).add("all_reduce", 1, FP32, mesh.world_size)
     pipe = plan.pipeline
     if pipe is not None:
@@ -325,38 +327,29 @@ def communication(plan: ShardingPlan, model_cfg: Any, work: Workload,
     return traffic
 
 
-def _cp_traffic(plan: ShardingPlan, work: Workload, shape: BlockShape, blocks: list[int], mine: list,
-                model_cfg: Any, out: AxisTraffic) -> None:
+def _cp_traffic(work: Workload, shape: BlockShape, blocks: list[int], mine: list, out: AxisTraffic) -> None:
     """Collectives over cp, per micro batch (counted in traced graphs of GPT on fake cp
     meshes, tests/test_plan_scale.py). Attention, per block: all-gather reaches the other
-    chunks' keys and values (and their positions) in the forward, again in a recomputed
-    forward, and reduce-scatters their gradients; all-to-all (Ulysses) turns q, k, v from
-    sequence to head shards and the output back, forward and backward. Every parameter a
-    piece reads gets its gradient (a partial sum over the rank's chunks) all-reduced over cp
-    in the compute dtype, and the loss is summed."""
+    chunks' keys and values and their positions in the forward (again in a recomputed
+    forward) and reduce-scatters the keys' and values' gradients; all-to-all (Ulysses)
+    exchanges q, k and v for head groups and the output back, forward and backward, and
+    gathers the positions. Every parameter's gradient (a partial sum over the rank's chunks)
+    is all-reduced over cp, in fp32, once per micro batch."""
     cp, n, act = work.cp, work.n_micro, work.act_bytes
     kv_full = work.tokens * cp * shape.kv_heads * shape.head_dim * act
-    q_full = work.tokens * cp * shape.heads * shape.head_dim * act
+    q_local = work.tokens * shape.heads * shape.head_dim * act
+    kv_local = work.tokens * shape.kv_heads * shape.head_dim * act
     positions_full = work.tokens * cp * 8  # int64
-    redone = sum(1 for i in blocks if _mode(work, i) == "full")
+    forwards = len(blocks) + sum(1 for i in blocks if _mode(work, i) == "full")
+    out.add("all_gather", forwards * n, positions_full, cp)
     if work.cp_attention == "allgather":
-        out.add("all_gather", 2 * (len(blocks) + redone) * n, kv_full, cp)
-        out.add("all_gather", (len(blocks) + redone) * n, positions_full, cp)
+        out.add("all_gather", 2 * forwards * n, kv_full, cp)
         out.add("reduce_scatter", 2 * len(blocks) * n, kv_full, cp)
     else:
-        out.add("all_to_all", (4 * len(blocks) + 3 * redone) * n, (q_full + kv_full) / 2, cp)
-        out.add("all_to_all", 4 * len(blocks) * n, (q_full + kv_full) / 2, cp)
-        out.add("all_gather", 2 * (len(blocks) + redone) * n, positions_full, cp)
-    embed_groups, head_groups = model_groups(model_cfg)
-    for p in mine:  # each piece that reads a parameter all-reduces its gradient
-        group = p.path.split(".")[0]
-        reads = 0
-        if group == "blocks" or group in embed_groups:
-            reads += 1
-        if group in head_groups and ("vocab" in p.axes or group not in embed_groups):
-            reads += 1
-        out.add("all_reduce", reads * n, p.local_numel("param") * act, cp)
-    out.add("all_reduce", n, FP32, cp)  # the loss, summed over the chunks
+        per_block = 2 * q_local + 2 * kv_local  # q, the output, k, v of this rank's tokens
+        out.add("all_to_all", 4 * (forwards + len(blocks)) * n, per_block / 4, cp)
+    for p in mine:
+        out.add("all_reduce", n, p.local_numel("param") * FP32, cp)
 
 
 def _tp_traffic(plan: ShardingPlan, work: Workload, shape: BlockShape, blocks: list[int], pp_rank: int,

@@ -26,15 +26,15 @@ class ProcessGroups:
         self.coords = mesh.coords(rank)
         self.tp, self.cp = mesh.size("tp"), mesh.size("cp")
         self.tp_mesh: DeviceMesh | None = device_mesh["tp"] if self.tp > 1 else None
-        # activations are DTensors over the context and tensor axes that the mesh has
-        self.activation_axes = tuple(a for a in ("cp", "tp") if mesh.size(a) > 1)
-        self.activation_mesh: DeviceMesh | None = (device_mesh[self.activation_axes] if len(self.activation_axes) > 1
-                                                   else device_mesh[self.activation_axes[0]]
-                                                   if self.activation_axes else None)
+        self.cp_mesh: DeviceMesh | None = device_mesh["cp"] if self.cp > 1 else None
         self.data_axes = tuple(a for a in DATA_AXES if mesh.size(a) > 1)
+        # the axes over which ranks hold different tokens: a loss is summed over them
+        self.token_axes = self.data_axes + (("cp",) if self.cp > 1 else ())
         self._groups: dict[tuple[str, ...], DeviceMesh] = {}
         if self.data_axes:
             self.group(self.data_axes)
+        if self.token_axes:
+            self.group(self.token_axes)
 
     def group(self, axes: tuple[str, ...]) -> DeviceMesh:
         """The process group (as a 1-D mesh) spanning ``axes``."""
@@ -54,8 +54,8 @@ class ProcessGroups:
             labels[sub.get_group().group_name] = "+".join(axes)
         if self.tp_mesh is not None:
             labels[self.tp_mesh.get_group().group_name] = "tp"
-        if self.cp > 1:
-            labels[self.device_mesh["cp"].get_group().group_name] = "cp"
+        if self.cp_mesh is not None:
+            labels[self.cp_mesh.get_group().group_name] = "cp"
         return labels
 
     @property
@@ -69,7 +69,9 @@ class ProcessGroups:
     def sum_over_world(self, x: torch.Tensor) -> torch.Tensor:
         return funcol.all_reduce(x, "sum", dist.group.WORLD)
 
-    def sum_over_data(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.data_axes:
+    def sum_over_tokens(self, x: torch.Tensor) -> torch.Tensor:
+        """A sum over this rank's tokens (a loss, a count) summed over every rank that holds
+        other tokens: the data ranks, and the cp ranks' chunks."""
+        if not self.token_axes:
             return x
-        return funcol.all_reduce(x, "sum", self.group(self.data_axes))
+        return funcol.all_reduce(x, "sum", self.group(self.token_axes))

@@ -5,7 +5,8 @@
   * ``shards`` (``ParamShards``): this rank's slice of every parameter, the seeded sharded
     init, DTensor views for checkpoints, and the way back to full tensors;
   * ``activations`` (``ActivationLayouts``, None without tp and cp): the layouts model code
-    names with ``shard(...)`` and ``local(...)``, held on DTensors over the cp x tp mesh;
+    names with ``shard(...)`` and ``local(...)``, held on DTensors over the 1-D tp mesh, and
+    under cp the collectives attention reaches the other chunks with;
   * ``grads`` (``GradientSync``): the data axes' bucketed gradient reductions (all-reduce,
     or reduce-scatter for ZeRO) and the all-gather after a sharded update.
 
@@ -28,7 +29,7 @@ from fxmega.core import precision, tree
 from fxmega.ops.recompute import checkpointed
 from fxmega.sharding import layout
 from fxmega.sharding.activation_layouts import ActivationLayouts
-from fxmega.sharding.context import chunk_of
+from fxmega.sharding.context import ContextParallel, chunk_of
 from fxmega.sharding.grad_sync import GradientSync
 from fxmega.sharding.groups import ProcessGroups
 from fxmega.sharding.param_shards import ParamShards
@@ -61,8 +62,11 @@ class Parallel:
         self.reduce_dtype = torch.bfloat16 if reduce_bf16 else torch.float32
         self.groups = ProcessGroups(plan.mesh, device_mesh, rank)
         self.shards = ParamShards(plan, self.groups, specs)
-        mesh = self.groups.activation_mesh
-        self.activations = ActivationLayouts(plan, mesh, cp_attention) if mesh is not None else None
+        cp_mesh = self.groups.cp_mesh
+        self.context = ContextParallel(cp_mesh, self.groups.cp, cp_attention) if cp_mesh is not None else None
+        tp_mesh = self.groups.tp_mesh
+        self.activations = (ActivationLayouts(plan, tp_mesh, self.context)
+                            if tp_mesh is not None or self.context is not None else None)
         self.grads = GradientSync(self.groups, self.shards.layouts, bucket_numel, self.reduce_dtype)
         param_axes = {lay.data_axes["param"] for lay in self.shards.layouts if lay.data_axes["param"]}
         if len(param_axes) > 1:
@@ -104,17 +108,18 @@ class Parallel:
         """``(flat local params, local batch) -> this data rank's summed loss`` (a plain
         tensor), for ``fxmega.training.step``: ``model_loss`` run with this rank's parameter tree,
         its piece call (cast, ZeRO-3 gather, recompute) and its layouts."""
-        act = self.activations
-        # every tp rank reads the same tokens; a cp rank its chunks of each sequence (``local_batch``)
-        batch_axes = ("batch", "ctx") if self.groups.cp > 1 else None
+        act, context = self.activations, self.context
 
         def loss_sum(flat: list[torch.Tensor], batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            if context is not None:  # each cp rank's gradients cover its own chunks: sum them
+                flat = [context.sum_grads(p) for p in flat]
             params = tree.unflatten_like(self.shards.layout_tree, flat)
-            if act is not None:
-                batch = {k: act.wrap(v, batch_axes) for k, v in batch.items()}
+            if act is not None:  # every tp rank reads the same tokens (a cp rank its chunks: ``local_batch``)
+                batch = {k: act.wrap(v, None) for k, v in batch.items()}
             with layout.activate(act):
                 loss = model_loss(params, batch, self.call, self.shards.layout_tree)
-            # may still be a partial sum over tp's vocabulary or cp's chunks: reduce it
+            # may still be a partial sum over tp's vocabulary: reduce it (over cp it stays
+            # this rank's chunks' sum, which the step sums over the token axes)
             return loss if act is None else act.to_replicated_local(loss)
 
         return loss_sum

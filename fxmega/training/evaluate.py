@@ -69,7 +69,7 @@ def mean_loss(cfg: RunConfig, valid_data: Any, sums: Callable[[list[Batch]], tor
             count += float(global_count([batch]))
             total += sums(my_micro_batches(batch, t.micro_batch_size, parallel, device))
     if parallel is not None and not summed_over_data:
-        total = parallel.groups.sum_over_data(total)
+        total = parallel.groups.sum_over_tokens(total)
     return float(total) / count
 
 

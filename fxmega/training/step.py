@@ -116,7 +116,7 @@ class TrainStep:
                 torch._foreach_add_(accum, grads)
                 grads = accum
             if par is not None:
-                loss_sum = par.groups.sum_over_data(loss_sum)
+                loss_sum = par.groups.sum_over_tokens(loss_sum)
         return [loss_sum, *self.update(flat_params, grads, opt_state, lr, par, norm_weights, unscale)]
 
     # -- one optimizer step -----------------------------------------------------------
@@ -151,7 +151,7 @@ class TrainStep:
             for batch in micro_batches[:-1]:
                 loss_sum = loss_sum + self._accumulate(flat, accum, batch, grad_weight)
         if self.parallel is not None and len(micro_batches) > 1:
-            loss_sum = self.parallel.groups.sum_over_data(loss_sum)  # the update graph sums only its own
+            loss_sum = self.parallel.groups.sum_over_tokens(loss_sum)  # the update graph sums only its own
         last_loss, grad_norm, finite, bad = self._update(flat, opt_state, accum, micro_batches[-1], grad_weight,
                                                          lr_t, self._norm_weights, unscale)
         loss = (loss_sum + last_loss) * inv_tokens
