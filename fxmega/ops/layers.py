@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from einops import rearrange
 
 from fxmega.ops import kernels
-from fxmega.ops.rope import Rope, apply_rope, rotate_half
+from fxmega.ops.rope import Rope, apply_rope
 from fxmega.sharding.layout import active, local, shard
 
 
@@ -290,9 +290,8 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KV,
     the cache are split over heads: each rank writes and reads only its own heads' cache, and
     the attention itself runs per shard through ``local``."""
     if write.cos is not None:
-        cos = shard(write.cos, *_ROPE_AXES)[:, :, None, :].to(q.dtype)
-        sin = shard(write.sin, *_ROPE_AXES)[:, :, None, :].to(q.dtype)
-        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        cos, sin = shard(write.cos, *_ROPE_AXES), shard(write.sin, *_ROPE_AXES)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     cache_k, cache_v = kv
     end = write.start + q.shape[1]
     # split over heads, not slots: under tp each rank writes its own heads, with no communication

@@ -5,9 +5,7 @@ context (cp) parallelism.
 Over tp, activations are DTensors on the 1-D tp mesh and each logical name is split as the
 rules say (Megatron's column/row-parallel layouts, sequence parallelism with ``"seq": "tp"``),
 held on purpose by an explicit ``redistribute`` (DTensor's own propagation picks slower
-ones); attention-like functions run per shard with ``local_map``. An input such a function
-reads whole on the mesh while its output is split gets its gradient summed over the mesh
-(``in_grad_placements``: ``Partial``).
+ones); attention-like functions run per shard with ``local_map``.
 
 Over cp, every tensor is this rank's chunks of the sequence as a plain local tensor (as over
 the data axes); the DTensors, where tp makes them, hold those chunks. Only attention reaches
@@ -22,7 +20,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import local_map
 
 from fxmega.sharding.context import ContextParallel
@@ -54,13 +52,9 @@ class ActivationLayouts:
     def local(self, fn: Callable[..., Any], in_axes: tuple[Axes | None, ...], out_axes: Axes) -> Callable[..., Any]:
         if self.mesh is None:
             return fn
-        out = self.placement(out_axes)
         in_placements = tuple(None if a is None else self.placement(a) for a in in_axes)
-        grads = tuple(None if p is None else [Partial() if isinstance(mine, Replicate) and isinstance(o, Shard)
-                                              else mine for mine, o in zip(p, out)]
-                      for p in in_placements)
-        return local_map(fn, out_placements=out, in_placements=in_placements, in_grad_placements=grads,
-                         device_mesh=self.mesh, redistribute_inputs=True)
+        return local_map(fn, out_placements=self.placement(out_axes), in_placements=in_placements,
+                         device_mesh=self.mesh)
 
     def wrap(self, local: torch.Tensor, axes: Axes | None) -> torch.Tensor:
         """A local tensor (received, or read from the batch) as the DTensor it is: split as

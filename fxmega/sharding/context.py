@@ -98,7 +98,7 @@ def check_context_parallel(cfg: Any, mesh: MeshSpec, model: ModelFamily) -> None
 
 def head_tail_order(seq_len: int, cp: int) -> torch.Tensor:
     """The sequence's positions in the order the cp ranks hold them: rank 0's two chunks,
-    then rank 1's, ... (the order of a DTensor split along the sequence over cp)."""
+    then rank 1's, ... (the order an all-gather over cp returns them in)."""
     if seq_len % (2 * cp):
         raise ConfigError(f"sequence length {seq_len} does not split into 2 x cp = {2 * cp} equal chunks for "
                           f"context parallelism: choose --seq-length a multiple of {2 * cp}")
