@@ -13,12 +13,15 @@ counted from the compiled graph, beside the least the mode must send:
              come back: 2 (W-1)/W x (K + V of the whole sequence) per layer
   a2a        q, k, v and the output are transposed forward and their gradients backward:
              2 (W-1)/W x (q + k + v + output of this rank's tokens) per layer
+  ring       k and v move W-1 steps forward and again backward, where their gradients
+             move W steps (the last one home): ((W-1) 2 + W) x (K + V of this rank's
+             tokens) per layer (it keeps no other rank's keys, so it sends more)
   both       every parameter's gradient is summed over cp: 2 (W-1)/W x P (compute dtype)
 
 The longest sequence of the ladder that a rank fits in ``--budget`` (default 1 GiB per
 rank) is marked: context parallelism's point is that it grows with cp.
 
-    python bench/context.py [--budget 1GiB] [--lengths 2048,4096,8192,16384]
+    python bench/context.py [--budget 1GiB] [--lengths 2048,4096,8192,16384] [--runs 1:allgather,2:ring]
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ def minimum(cfg, cp: int, mode: str, param_bytes: int) -> float:
     kv_whole = 2 * seq * m.kv_heads * hd * 4  # k and v of the whole sequence, fp32
     if mode == "allgather":
         attention = 2 * share * kv_whole * m.n_layers  # forward gather, backward reduce-scatter
+    elif mode == "ring":
+        attention = (2 * (cp - 1) + cp) * kv_whole / cp * m.n_layers
     else:
         local = seq // cp * (2 * m.n_heads + 2 * m.kv_heads) * hd * 4  # q, out, k, v of this rank's tokens
         attention = 2 * share * local * m.n_layers
@@ -126,6 +131,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", default="1GiB", help="memory per rank for the longest-sequence column")
     parser.add_argument("--lengths", default="2048,4096,8192,16384")
+    parser.add_argument("--runs", default="1:allgather,2:allgather,2:ring,2:a2a,4:allgather,4:ring,4:a2a",
+                        help="cp:mode pairs to measure")
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -151,7 +158,7 @@ def main() -> None:
           f"{os.cpu_count()} CPUs")
     print(f"{'cp':>3} {'mode':<10}{'sequence':>9}{'peak/rank':>12}{'step s':>9}{'cp sent/step':>14}{'minimum':>12}"
           f"{'ratio':>7}")
-    for cp, mode in [(1, "allgather"), (2, "allgather"), (2, "a2a"), (4, "allgather"), (4, "a2a")]:
+    for cp, mode in [(int(cp), mode) for cp, mode in (run.split(":") for run in args.runs.split(","))]:
         longest = 0
         for seq in lengths:
             r = launch(cp, mode, seq)

@@ -23,7 +23,7 @@ from fxmega.models import family_name, model_for, registry
 from fxmega.models.registry import ModelConfig
 from fxmega.sharding.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 
-CP_ATTENTION = ("allgather", "a2a")  # parallel.cp_attention
+CP_ATTENTION = ("allgather", "ring", "a2a")  # parallel.cp_attention
 
 # torch.compile backends a run may use: inductor generates fused kernels; aot_eager traces
 # the same forward+backward graph (collectives included) and runs it op by op, which
@@ -346,4 +346,4 @@ def _validate(cfg: RunConfig, dp: int | None) -> None:
              f"parallel.pipeline_schedule={p.pipeline_schedule!r}: use one of {', '.join(PIPELINE_SCHEDULES)}")
     _require(p.virtual_stages >= 1, f"parallel.virtual_stages={p.virtual_stages} must be at least 1")
     _require(p.cp_attention in CP_ATTENTION, f"parallel.cp_attention={p.cp_attention!r}: use one of "
-             f"{', '.join(CP_ATTENTION)}" + (" (the ring is not implemented yet)" if p.cp_attention == "ring" else ""))
+             f"{', '.join(CP_ATTENTION)}")

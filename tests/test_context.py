@@ -12,7 +12,9 @@ import torch
 from fxmega.config import ParallelConfig, override
 from fxmega.core.errors import ConfigError
 from fxmega.models import bert, gpt, llama, lm_loss_sum
+from fxmega.ops.attention_blocks import attend_block, attend_block_backward, merge
 from fxmega.ops.init import init_params
+from fxmega.ops.layers import sdpa
 from fxmega.sharding.context import attention_work, check_context_parallel, chunk_of, head_tail_order
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.training.run import Run
@@ -80,9 +82,7 @@ def test_out_of_order_tokens_with_positions_give_the_same_loss(module, name, pad
 
 def test_refusals():
     cfg = tiny_config(model="tiny_gpt")
-    for mesh, model, message in [
-            ("cp=2,pp=2", gpt, "context parallelism with pipeline stages is not implemented yet"),
-            ("cp=2", bert, "the bert model does not take out-of-order positions")]:
+    for mesh, model, message in [("cp=2", bert, "the bert model does not take out-of-order positions")]:
         with pytest.raises(ConfigError, match=message):
             check_context_parallel(dataclasses.replace(cfg, parallel=ParallelConfig(mesh=mesh)),
                                    MeshSpec.parse(mesh), model)
@@ -91,12 +91,40 @@ def test_refusals():
     with pytest.raises(ConfigError, match="a2a splits the attention heads over cp x tp = 4 ranks, but the model has "
                                           "2 kv heads"):
         check_context_parallel(a2a, MeshSpec.parse("cp=4"), llama)
-    with pytest.raises(ConfigError, match="cp_attention='ring': use one of allgather, a2a"):
-        override(cfg, ["parallel.cp_attention=ring"]).validate()
+    with pytest.raises(ConfigError, match="cp_attention='zigzag': use one of allgather, ring, a2a"):
+        override(cfg, ["parallel.cp_attention=zigzag"]).validate()
     odd = override(cfg, ["train.seq_len=20", "parallel.mesh=cp=4"])
     with pytest.raises(ConfigError, match="sequence length 20 does not split into 2 x cp = 8"):
         check_context_parallel(odd, MeshSpec.parse("cp=4"), gpt)
     assert MeshSpec.parse("2x1x1x2").size("cp") == 2  # the positional form's fourth size
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_blocks_merge_to_whole_attention(fused):
+    """Ring attention's algebra on one process, in float64: attention over keys in blocks,
+    merged by log-sum-exp, equals attention over all keys (causal and not, grouped heads),
+    and each block's backward from the merged output and log-sum-exp sums to the gradients;
+    with the CPU's fused kernel and written out."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 8, 4, 5, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(2, 8, 2, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    grad = torch.randn(2, 8, 4, 5, dtype=torch.float64)
+    for causal in (False, True):
+        want = sdpa(q, k, v, is_causal=causal, enable_gqa=True)
+        want_grads = torch.autograd.grad(want, (q, k, v), grad)
+        if causal:  # the own chunks: one causal block
+            out, lse = attend_block(q, k, v, causal=True, fused=fused)
+            got_grads = attend_block_backward(q, k, v, grad, out, lse, causal=True, fused=fused)
+        else:  # keys in two blocks of 3 and 5
+            out, lse = merge(*attend_block(q, k[:, :3], v[:, :3], fused=fused),
+                             *attend_block(q, k[:, 3:], v[:, 3:], fused=fused))
+            first = attend_block_backward(q, k[:, :3], v[:, :3], grad, out, lse, fused=fused)
+            second = attend_block_backward(q, k[:, 3:], v[:, 3:], grad, out, lse, fused=fused)
+            got_grads = (first[0] + second[0], torch.cat([first[1], second[1]], 1), torch.cat([first[2], second[2]], 1))
+        # float64: 8 keys and 5 head dims per entry, far below the 1e-12 bound
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+        for g, w in zip(got_grads, want_grads):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
 
 
 # ---- cp meshes equal one device -------------------------------------------------------------
@@ -117,6 +145,13 @@ CP_RUNS = {
     "llama_cp2_a2a": ("tiny_llama", dict(mesh="cp=2", cp_attention="a2a"), 2),
     "llama_cp2_dp2_a2a": ("tiny_llama", dict(mesh="dp=2,cp=2", cp_attention="a2a"), 4),
     "gpt_cp2_tp2_a2a": ("tiny_gpt", dict(mesh="cp=2,tp=2", cp_attention="a2a"), 4),  # 4 heads over cp x tp
+    # ring: keys and values passed around cp, block attention merged by log-sum-exp
+    "gpt_cp2_ring": ("tiny_gpt", dict(mesh="cp=2", cp_attention="ring"), 2),
+    "llama_cp4_ring": ("tiny_llama", dict(mesh="cp=4", cp_attention="ring"), 4),
+    # pipeline stages: positions go to every stage, each stage's gradients summed over cp
+    "gpt_cp2_pp2": ("tiny_gpt", dict(mesh="pp=2,cp=2"), 4),
+    "llama_cp2_pp2_ring": ("tiny_llama", dict(mesh="pp=2,cp=2", cp_attention="ring"), 4),
+    "llama_cp2_tp2_ring": ("tiny_llama", dict(mesh="cp=2,tp=2", sequence_parallel=True, cp_attention="ring"), 4),
 }
 CP_STEPS = 3
 LONG = ("train.seq_len=1024", "model.max_seq_len=1024", "train.global_batch_size=4", "train.micro_batch_size=2")
@@ -124,7 +159,7 @@ LONG = ("train.seq_len=1024", "model.max_seq_len=1024", "train.global_batch_size
 
 # compiled with inductor (fused C++ kernels) once; the others with aot_eager (the same graph
 # and collectives, op by op: seconds to compile instead of a minute)
-INDUCTOR_RUNS = ("gpt_cp2",)
+INDUCTOR_RUNS = ("gpt_cp2", "gpt_cp2_ring")
 
 
 def _cp_config(model: str, parallel: dict | None = None, inductor: bool = False):

@@ -14,15 +14,16 @@ LAYERS = {
             "core.kernel_dump core.log sharding.layout sharding.inspect sharding.collectives sharding.mesh "
             "sharding.rules sharding.pipeline",
     "building blocks": "ops ops.kernels ops.kernels.triton_ops ops.kernels.triton_norms "
-                       "ops.kernels.triton_cross_entropy ops.rope ops.layers ops.losses ops.objectives ops.recompute "
-                       "ops.init",
+                       "ops.kernels.triton_cross_entropy ops.rope ops.attention_blocks ops.layers ops.losses "
+                       "ops.objectives ops.recompute ops.init",
     "models": "models models.bert models.gpt models.llama models.pieces models.registry models.census models.checks "
               "models.classifier",
     "data": "data data.batches data.blend data.classification data.corpus data.gpt_dataset data.indexed data.mlm "
             "data.preprocess data.sources data.tokenizer data.vocab_files",
     "config": "config",
     "sharding plan": "sharding sharding.plan sharding.strategy sharding.estimate sharding.visualize",
-    "distributed runtime": "sharding.groups sharding.context sharding.activation_layouts sharding.param_shards "
+    "distributed runtime": "sharding.groups sharding.ring_attention sharding.context sharding.activation_layouts "
+                           "sharding.param_shards "
                            "sharding.grad_sync sharding.zero3 sharding.runtime sharding.distributed",
     "checkpoints and conversion": "storage storage.checkpoint_files storage.checkpoint storage.run_state "
                                   "storage.hf_files storage.hf_layout storage.hf_bert storage.convert "

@@ -83,6 +83,8 @@ def test_fake_parallel_shards_match_the_plan():
     ("tiny_gpt", ["parallel.mesh=cp=2", "train.seq_len=64", "compute.recompute=full"]),
     ("tiny_llama", ["parallel.mesh=cp=2,tp=2", "parallel.sequence_parallel=true", "train.seq_len=64"]),
     ("tiny_gpt", ["parallel.mesh=cp=2", "parallel.cp_attention=a2a", "train.seq_len=64"]),
+    ("tiny_llama", ["parallel.mesh=cp=4", "parallel.cp_attention=ring", "train.seq_len=64"]),
+    ("tiny_gpt", ["parallel.mesh=cp=2", "parallel.cp_attention=ring", "train.seq_len=64", "compute.recompute=full"]),
 ])
 @pytest.mark.slow
 def test_estimated_collectives_equal_the_traced_step(name, sets):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from fxmega.core.errors import ConfigError
 from fxmega.ops import kernels
 from fxmega.ops.rope import Rope, apply_rope
 from fxmega.sharding.layout import active, local, shard
@@ -110,6 +111,8 @@ class Context(Protocol):
 
     def from_heads(self, x: torch.Tensor) -> torch.Tensor: ...
 
+    def ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
 
 def _attention_across_chunks(context: Context | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              rope: Rope | None, positions: torch.Tensor,
@@ -117,8 +120,17 @@ def _attention_across_chunks(context: Context | None, q: torch.Tensor, k: torch.
     # Runs on local shards (heads may be split over tp): this rank's chunks of the sequence.
     # With cp the keys and values of the whole sequence are gathered (allgather), or q, k
     # and v exchanged for head groups of the whole sequence (a2a); causality comes from the
-    # positions, not from the order.
+    # positions, not from the order. The ring passes keys and values around block by block;
+    # causality there is the head-tail order's structure, so no mask is built.
     q_pos = k_pos = positions
+    if context is not None and context.mode == "ring":
+        if valid is not None:
+            raise ConfigError("--cp-attention ring attends causally over whole chunks and does not mask padding: "
+                              "use --cp-attention allgather for padded batches")
+        if rope is not None:
+            q = apply_rope(q, *rope.tables(positions, q.shape[-1]))
+            k = apply_rope(k, *rope.tables(positions, k.shape[-1]))
+        return context.ring(q, k, v)
     if context is not None:
         k_pos = context.gather(positions)
         valid = context.gather(valid) if valid is not None else None

@@ -8,8 +8,8 @@ The model sees the rank's tokens in that order with each token's ``positions``, 
 the learned position embedding, the rotary tables and the causal mask are all taken. Each
 rank holds its chunks as plain local tensors, so everything but attention runs on 1/cp of
 the tokens with no communication; ``ContextParallel`` holds the collectives that reach
-across ranks: attention's gathers or all-to-alls, and the sum of every parameter's gradient
-(each rank's is a partial sum over its own tokens).
+across ranks: attention's gathers, all-to-alls or ring exchanges (``ring_attention``), and
+the sum of every parameter's gradient (each rank's is a partial sum over its own tokens).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.distributed._functional_collectives as funcol
 from fxmega.core.errors import ConfigError
 from fxmega.models.registry import ModelFamily
 from fxmega.sharding.mesh import MeshSpec
+from fxmega.sharding.ring_attention import ring_attention
 from fxmega.sharding.zero3 import backward_phase
 
 
@@ -43,8 +44,8 @@ class SumGradOverContext(torch.autograd.Function):
 class ContextParallel:
     """The collectives of context parallelism over this rank's cp group (a 1-D mesh)."""
 
-    def __init__(self, group: Any, size: int, mode: str) -> None:
-        self.group, self.size, self.mode = group, size, mode
+    def __init__(self, group: Any, size: int, mode: str, rank: int) -> None:
+        self.group, self.size, self.mode, self.rank = group, size, mode, rank
 
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Every rank's chunks along ``dim``, in rank order (the head-tail order of the whole
@@ -66,6 +67,24 @@ class ContextParallel:
         got = funcol.all_to_all_single_autograd(parts, None, None, self.group)  # [head group, b, s/cp, h, d]
         return got.permute(1, 2, 0, 3, 4).reshape(b, s // self.size, self.size * h, d)
 
+    def rotate(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Send ``tensors`` to the next rank of the ring and return the previous rank's:
+        one all-to-all per dtype in which only the neighbours' parts are not empty."""
+        got: dict[int, torch.Tensor] = {}
+        for dtype in dict.fromkeys(t.dtype for t in tensors):
+            mine = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+            flat = torch.cat([tensors[i].reshape(-1) for i in mine])
+            send, recv = [0] * self.size, [0] * self.size
+            send[(self.rank + 1) % self.size] = recv[(self.rank - 1) % self.size] = flat.numel()
+            parts = funcol.all_to_all_single(flat, recv, send, self.group).split([tensors[i].numel() for i in mine])
+            got |= {i: p.view(tensors[i].shape) for i, p in zip(mine, parts)}
+        return tuple(got[i] for i in range(len(tensors)))
+
+    def ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's chunks over the whole sequence, keys and values
+        passed around the ring."""
+        return ring_attention(self, q, k, v)
+
     def sum_grads(self, x: torch.Tensor) -> torch.Tensor:
         return SumGradOverContext.apply(x, self.group)
 
@@ -79,9 +98,6 @@ def check_context_parallel(cfg: Any, mesh: MeshSpec, model: ModelFamily) -> None
     if not getattr(model, "CONTEXT_PARALLEL", False):
         raise ConfigError(f"--mesh {cfg.parallel.mesh}: the {name} model does not take out-of-order positions, which "
                           f"context parallelism needs (GPT and Llama causal language models do): drop cp")
-    if mesh.size("pp") > 1:
-        raise ConfigError(f"--mesh {cfg.parallel.mesh}: context parallelism with pipeline stages is not implemented "
-                          f"yet: use cp with dp, fsdp and tp, or pp without cp")
     if cfg.compute.loss_chunk:
         raise ConfigError(f"compute.loss_chunk={cfg.compute.loss_chunk} is not implemented with context parallelism "
                           f"yet: set compute.loss_chunk=0 (each cp rank's logits are already 1/{cp} of the sequence)")

@@ -115,11 +115,13 @@ class AxisTraffic:
     collectives: int = 0
     ops: dict[str, int] = field(default_factory=dict)
 
-    def add(self, op: str, count: int, buffer_bytes: float, world: int) -> None:
+    def add(self, op: str, count: int, buffer_bytes: float, world: int, to_neighbour: bool = False) -> None:
+        """``count`` collectives of ``op`` on ``buffer_bytes`` over ``world`` ranks (an
+        all-to-all ``to_neighbour`` sends the whole buffer to one rank, as a ring step does)."""
         if world <= 1 or count <= 0:
             return
         factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
-        if op in ("send", "recv"):
+        if op in ("send", "recv") or to_neighbour:
             factor = 1.0
         self.bytes_sent += count * factor * buffer_bytes
         self.collectives += count
@@ -262,8 +264,9 @@ def memory(plan: ShardingPlan, model_cfg: Any, work: Workload) -> list[MemoryEst
 def _cp_attention_bytes(shape: BlockShape, work: Workload, act: int) -> int:
     """What a block's attention keeps under cp beyond its share of the tokens: the explicit
     boolean mask (queries x keys: the chunks are out of order, so no causal kernel), and with
-    all-gather the gathered keys and values of the other ranks' chunks."""
-    if work.cp == 1:
+    all-gather the gathered keys and values of the other ranks' chunks. The ring keeps
+    nothing more (its output's log-sum-exp is what SDPA's kernels keep too)."""
+    if work.cp == 1 or work.cp_attention == "ring":
         return 0
     queries = work.tokens if work.cp_attention == "allgather" else work.tokens * work.cp
     mask = queries * work.seq_len
@@ -333,7 +336,8 @@ def _cp_traffic(work: Workload, shape: BlockShape, blocks: list[int], mine: list
     chunks' keys and values and their positions in the forward (again in a recomputed
     forward) and reduce-scatters the keys' and values' gradients; all-to-all (Ulysses)
     exchanges q, k and v for head groups and the output back, forward and backward, and
-    gathers the positions. Every parameter's gradient (a partial sum over the rank's chunks)
+    gathers the positions; the ring passes k and v (and in the backward their gradients) to
+    the next rank, one chunk pair per step. Every parameter's gradient (a partial sum over the rank's chunks)
     is all-reduced over cp, in fp32, once per micro batch."""
     cp, n, act = work.cp, work.n_micro, work.act_bytes
     kv_full = work.tokens * cp * shape.kv_heads * shape.head_dim * act
@@ -341,11 +345,24 @@ def _cp_traffic(work: Workload, shape: BlockShape, blocks: list[int], mine: list
     kv_local = work.tokens * shape.kv_heads * shape.head_dim * act
     positions_full = work.tokens * cp * 8  # int64
     forwards = len(blocks) + sum(1 for i in blocks if _mode(work, i) == "full")
-    out.add("all_gather", forwards * n, positions_full, cp)
-    if work.cp_attention == "allgather":
+    if work.cp_attention == "ring":
+        # each forward: cp - 1 steps passing k and v on; each backward: cp - 1 steps passing
+        # k, v and their fp32 gradients (one exchange per dtype), and one more bringing the
+        # gradients home
+        grads = 2 * work.tokens * shape.kv_heads * shape.head_dim * FP32
+        out.add("all_to_all", forwards * (cp - 1) * n, 2 * kv_local, cp, to_neighbour=True)
+        if act == FP32:
+            out.add("all_to_all", len(blocks) * (cp - 1) * n, 2 * kv_local + grads, cp, to_neighbour=True)
+        else:
+            out.add("all_to_all", len(blocks) * (cp - 1) * n, 2 * kv_local, cp, to_neighbour=True)
+            out.add("all_to_all", len(blocks) * (cp - 1) * n, grads, cp, to_neighbour=True)
+        out.add("all_to_all", len(blocks) * n, grads, cp, to_neighbour=True)
+    elif work.cp_attention == "allgather":
+        out.add("all_gather", forwards * n, positions_full, cp)
         out.add("all_gather", 2 * forwards * n, kv_full, cp)
         out.add("reduce_scatter", 2 * len(blocks) * n, kv_full, cp)
     else:
+        out.add("all_gather", forwards * n, positions_full, cp)
         per_block = 2 * q_local + 2 * kv_local  # q, the output, k, v of this rank's tokens
         out.add("all_to_all", 4 * (forwards + len(blocks)) * n, per_block / 4, cp)
     for p in mine:

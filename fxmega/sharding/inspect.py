@@ -33,6 +33,9 @@ class Collective:
     group_size: int
     shape: tuple[int, ...]  # of the input tensor
     itemsize: int
+    # all-to-all with split sizes: the share of the input that goes to other ranks (a ring
+    # step sends all of it to one neighbour); None: an even split, (W-1)/W
+    sent_share: float | None = None
 
     @property
     def numel(self) -> int:
@@ -49,10 +52,13 @@ class Collective:
     @property
     def bytes_sent_per_rank(self) -> float:
         """What each rank sends with a ring algorithm: all-reduce 2(W-1)/W of the buffer,
-        all-gather (W-1) times its shard, reduce-scatter (W-1)/W of its input."""
+        all-gather (W-1) times its shard, reduce-scatter (W-1)/W of its input; an all-to-all
+        what its split sizes send to other ranks."""
         w = self.group_size
         if w <= 1:
             return 0.0
+        if self.sent_share is not None:
+            return self.sent_share * self.bytes
         if self.op.startswith("all_reduce"):
             return 2 * (w - 1) / w * self.bytes
         if self.op.startswith("all_gather"):
@@ -76,10 +82,22 @@ def collectives_in(graph: torch.fx.Graph) -> list[Collective]:
         group = next((a for a in reversed(node.args) if isinstance(a, str)), "")
         inputs = node.args[0]
         vals = [i.meta["val"] for i in (inputs if isinstance(inputs, (list, tuple)) else [inputs])]
+        share = _sent_share(node.args[2], group) if name == "all_to_all_single" else None
         for val in vals:
             found.append(Collective(name, group, _get_group_size_by_name(group), tuple(val.shape),
-                                    val.element_size()))
+                                    val.element_size(), share))
     return found
+
+
+def _sent_share(input_splits: Any, group: str) -> float | None:
+    """The share of an all-to-all's input this rank sends to the others, from its split
+    sizes (None when they are not given: an even split)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if not input_splits or not all(isinstance(s, int) for s in input_splits):
+        return None
+    total = sum(input_splits)
+    return (total - input_splits[_resolve_process_group(group).rank()]) / total if total else 0.0
 
 
 class _Recorder(CustomGraphPass):

@@ -63,7 +63,8 @@ class Parallel:
         self.groups = ProcessGroups(plan.mesh, device_mesh, rank)
         self.shards = ParamShards(plan, self.groups, specs)
         cp_mesh = self.groups.cp_mesh
-        self.context = ContextParallel(cp_mesh, self.groups.cp, cp_attention) if cp_mesh is not None else None
+        self.context = (ContextParallel(cp_mesh, self.groups.cp, cp_attention, cp_mesh.get_local_rank())
+                        if cp_mesh is not None else None)
         tp_mesh = self.groups.tp_mesh
         self.activations = (ActivationLayouts(plan, tp_mesh, self.context)
                             if tp_mesh is not None or self.context is not None else None)

@@ -115,7 +115,7 @@ class PipelineStep:
         self._shared_shapes = [plan.params[p].local_shape("opt") for p, _ in self._shared]
         counted = torch.tensor([1.0 if min(plan.pp_owners(p)) == self.pp_rank else 0.0 for p in paths], device=device)
         self._norm_weights = par.grads.norm_weights(device) * counted  # each element of the model once
-        self._loss_group = par.groups.group(("pp", *par.groups.data_axes))
+        self._loss_group = par.groups.group(("pp", *par.groups.token_axes))  # cp: each rank its chunks' sum
         self._update = compiled(self._update_fn, backend) if compile else self._update_fn
 
     # -- the stage function and the loss ----------------------------------------------
@@ -126,13 +126,16 @@ class PipelineStep:
         par = self.par
 
         def run(flat: list[torch.Tensor], x: torch.Tensor, **given: torch.Tensor) -> torch.Tensor:
+            if par.context is not None:  # each cp rank's gradients cover its own chunks: sum them
+                flat = [par.context.sum_grads(p) for p in flat]
             params = tree.unflatten_like(like, flat)
             with layout.activate(par.activations):
                 batch = {k: self._wrap(v, None) for k, v in given.items()}
                 x = self._wrap(x, None if stage.embed else RESIDUAL)  # the tokens, or the residual stream
                 x = run_pieces(self.model, params, lays, x, self.cfg, par.call, embed=stage.embed, head=stage.head,
                                inputs=embed_inputs(self.model, batch), valid=batch.get("attention_mask"),
-                               compute=par.compute, head_inputs=[batch.get(k) for k in self._head_inputs])
+                               positions=batch.get("positions"), compute=par.compute,
+                               head_inputs=[batch.get(k) for k in self._head_inputs])
                 return self._unwrap(x, self._output_axes if stage.head else RESIDUAL)
 
         return run
@@ -144,7 +147,7 @@ class PipelineStep:
 
     def _unwrap(self, x: torch.Tensor, axes: tuple) -> torch.Tensor:
         tp = self.par.activations
-        return x if tp is None else tp.constrain(x, axes).to_local()
+        return x if tp is None or tp.mesh is None else tp.constrain(x, axes).to_local()  # cp alone: plain
 
     def _loss_fn(self, outputs: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """The objective's sum over a microbatch, divided by the global count (vocab-parallel
@@ -160,8 +163,10 @@ class PipelineStep:
     def stage_kwargs(self, micro: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """What every stage is given besides the tokens or the residual stream (whole global
         batch rows; the schedule splits them): the embedding's inputs the batch has, the
-        attention mask when the batch has one, and the head's inputs."""
-        keys = [*(k for k in self.model.EMBED_INPUTS if k in micro[0]), "attention_mask", *self._head_inputs]
+        attention mask when the batch has one, the tokens' positions under cp (every block
+        takes them), and the head's inputs."""
+        keys = [*(k for k in self.model.EMBED_INPUTS if k in micro[0]), "attention_mask", "positions",
+                *self._head_inputs]
         return {k: torch.cat([m[k] for m in micro]) for k in dict.fromkeys(keys) if k in micro[0]}
 
     def _packed_target(self, micro: list[dict[str, torch.Tensor]]) -> torch.Tensor:
