@@ -151,6 +151,9 @@ CP_RUNS = {
     # pipeline stages: positions go to every stage, each stage's gradients summed over cp
     "gpt_cp2_pp2": ("tiny_gpt", dict(mesh="pp=2,cp=2"), 4),
     "llama_cp2_pp2_ring": ("tiny_llama", dict(mesh="pp=2,cp=2", cp_attention="ring"), 4),
+    # long-context memory: full recompute and the chunked loss on each rank's chunks
+    "llama_cp2_ring_recompute_chunked": ("tiny_llama", dict(mesh="cp=2", cp_attention="ring"), 2,
+                                         ("compute.recompute=full", "compute.loss_chunk=256")),
     "llama_cp2_tp2_ring": ("tiny_llama", dict(mesh="cp=2,tp=2", sequence_parallel=True, cp_attention="ring"), 4),
 }
 CP_STEPS = 3
@@ -162,16 +165,19 @@ LONG = ("train.seq_len=1024", "model.max_seq_len=1024", "train.global_batch_size
 INDUCTOR_RUNS = ("gpt_cp2", "gpt_cp2_ring")
 
 
-def _cp_config(model: str, parallel: dict | None = None, inductor: bool = False):
+def _cp_config(model: str, parallel: dict | None = None, inductor: bool = False, compute: tuple = ()):
     backend = () if inductor else ("train.compile_backend=aot_eager",)
-    return tiny_config(parallel, model=model, extra=(*backend, *LONG))
+    return tiny_config(parallel, model=model, extra=(*backend, *LONG, *compute))
 
 
 def cp_runs(names: list[str]) -> dict | None:
     from tests.sharding_workers import train
 
-    out = {name: train(_cp_config(*CP_RUNS[name][:2], inductor=name in INDUCTOR_RUNS), CP_STEPS,
-                       collectives=False)[1] for name in names}
+    def config(name: str):
+        model, parallel, _, *compute = CP_RUNS[name]
+        return _cp_config(model, parallel, name in INDUCTOR_RUNS, *compute)
+
+    out = {name: train(config(name), CP_STEPS, collectives=False)[1] for name in names}
     return out if torch.distributed.get_rank() == 0 else None
 
 
@@ -183,7 +189,7 @@ def references() -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_cp_meshes_match_one_device(ranks, references):
-    names = [name for name, (_, _, n) in CP_RUNS.items() if n == ranks]
+    names = [name for name, (_, _, n, *_) in CP_RUNS.items() if n == ranks]
     got = run_ranks(ranks, "tests.test_context:cp_runs", names)[0]
     for name in names:
         model = CP_RUNS[name][0]

@@ -168,7 +168,7 @@ def test_auto_planner_only_proposes_layouts_that_fit_and_divide():
     ok = [c for c in found if not c.reason]
     assert ok and len(ok) < len(found)
     for c in ok:
-        assert c.dp * c.tp * c.pp == 16 and c.memory <= budget and c.step_s > 0
+        assert c.devices == 16 and c.memory <= budget and c.step_s > 0
         run_cfg = override(cfg, c.assignments())
         plan = plan_of(run_cfg)  # the planner accepts it
         run_cfg.validate(plan.mesh.data_size)
@@ -177,6 +177,26 @@ def test_auto_planner_only_proposes_layouts_that_fit_and_divide():
     reasons = " ".join(c.reason for c in found if c.reason)
     assert "tp=16 groups would span nodes" in reasons and "GB per device, over 4.0 GB" in reasons
     assert "no candidate fits" in auto.report(cfg, 16, auto.parse_profile("h100"), parse_bytes("10MB"))
+
+
+def test_auto_planner_searches_cp_for_long_sequences():
+    """At 64K tokens the 8B Llama fits 16 H100s only with its sequence split (tp alone does
+    not fit on a node), and the search finds cp; at 1,024 tokens cp is not tried (chunks
+    under 512 tokens). The ring holds less than the all-gather on the same layout."""
+    cfg = cfg_of("llama31_8b", "compute.precision=bf16", "train.seq_len=65536", "model.max_seq_len=131072",
+                 "train.global_batch_size=16", "train.micro_batch_size=1")
+    found = auto.search(cfg, 16, auto.parse_profile("h100"))
+    ok = [c for c in found if not c.reason]
+    assert ok[0].cp > 1 and any(c.cp == 1 for c in ok)
+    assert all(c.devices == 16 for c in ok)
+    by_layout = {}  # every layout the planner priced, fitting or not
+    for c in (c for c in found if c.memory and c.cp > 1):
+        by_layout.setdefault((c.mesh, c.zero, c.recompute, c.schedule, c.virtual), {})[c.cp_attention] = c.memory
+    pairs = [m for m in by_layout.values() if len(m) == 2]
+    assert pairs and all(m["ring"] < m["allgather"] for m in pairs)
+    assert all(c.cp_attention == "ring" for c in ok if c.cp > 1)  # all-gather's mask: s/cp x s bytes a block, 1-2 GiB
+    short = override(cfg, ["train.seq_len=1024"])
+    assert all(c.cp == 1 for c in auto.candidates(short, 16, auto.parse_profile("h100")))
 
 
 # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from fxmega.core.errors import ConfigError
 from fxmega.ops import kernels
+from fxmega.ops.recompute import backward_phase
 
 
 def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor,
@@ -73,7 +74,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_total: torch.Tensor) -> tuple:
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_total.to(grad_h.dtype), grad_w * grad_total.to(grad_w.dtype), None, None, None, None
+        with backward_phase():  # one backward region with the step's other custom backwards
+            return grad_h * grad_total.to(grad_h.dtype), grad_w * grad_total.to(grad_w.dtype), None, None, None, None
 
 
 def chunked_cross_entropy_sum(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor,

@@ -20,10 +20,12 @@ stays one graph with the recompute in it (tests/test_recompute.py measures both)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.fx.traceback
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 _ops = torch.ops
@@ -98,3 +100,12 @@ def checkpointed(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
 def plain_call(fn: Callable[..., Any], params: Any, layouts: Any, *args: Any, recompute: str = "none") -> Any:
     """A ``PieceCall`` for one device: run the piece, recomputed as asked."""
     return checkpointed(fn, recompute)(params, *args)
+
+
+def backward_phase() -> Any:
+    """Mark the nodes traced in this block as the step's backward region. Without it the
+    backward of a custom autograd.Function (ZeRO-3's gather, cp's collectives, the chunked
+    loss) is not tagged as backward, the backward splits into disjoint regions, and the
+    recompute pass refuses the graph."""
+    annotate = getattr(torch.fx.traceback, "annotate", None)
+    return annotate({"phase": "backward"}) if annotate is not None else contextlib.nullcontext()

@@ -1,7 +1,10 @@
 """``run.py plan --mesh auto --devices N --memory-per-device 80GB``: search the parallel layouts.
 
-Every candidate is a full fxmega run setting — mesh ``dp x tp x pp``, ZeRO stage, recompute
-mode, pipeline schedule (sequence parallelism is on whenever tp > 1: it only saves memory).
+Every candidate is a full fxmega run setting — mesh ``dp x tp x pp x cp``, ZeRO stage,
+recompute mode, pipeline schedule, cp attention (sequence parallelism is on whenever tp > 1:
+it only saves memory). Context parallelism is searched for models that take it, with cp
+chunks of at least ``MIN_CP_CHUNK`` tokens (shorter ones leave a GPU's attention kernels
+idle), both all-gather and ring attention: the ring holds less, the all-gather sends less.
 Each goes through the same planner and checks a real run goes through (``plan_from``,
 ``validate``, the schedule's micro-batch rules), so a candidate that does not divide is
 rejected with the planner's own message. The survivors are priced by
@@ -9,10 +12,12 @@ rejected with the planner's own message. The survivors are priced by
 
     compute  = model FLOPs per rank x (4/3 with full recompute) / (peak x efficiency)
     tp       = tp bytes / bandwidth of the tp group (NVLink inside a node, else the network)
+    cp       = cp bytes (attention's exchanges, the gradients' sum) / bandwidth of the cp
+               group, not hidden (nothing orders attention's exchanges behind compute yet)
     data     = gradient/parameter traffic / its bandwidth, hidden behind the backward
                (behind the whole step for ZeRO-3's gathers) as far as it fits
     pipeline = bubble (pp - 1) / (virtual x micro batches) of compute + tp, plus the sends
-    step     = (compute + tp) x (1 + bubble) + exposed data + pipeline sends
+    step     = (compute + tp + cp) x (1 + bubble) + exposed data + pipeline sends
 
 and ranked by step time. The estimate prices what fxmega's runtime does (no communication
 overlap inside tp, bucketed data-parallel reductions); it is a planning model, not a
@@ -29,12 +34,15 @@ from fxmega.config import override
 from fxmega.core.errors import ConfigError
 from fxmega.models import model_for
 from fxmega.planning.report import estimate_plan, text_table
+from fxmega.sharding.context import check_context_parallel
 from fxmega.sharding.pipeline import check_microbatches
 from fxmega.sharding.strategy import plan_from
 from fxmega.training.metrics import model_flops_per_token
 
 SCHEDULE_CHOICES = (("1f1b", 1), ("interleaved-1f1b", 2))
 RECOMPUTE_CHOICES = ("none", "selective", "full")
+CP_ATTENTION_CHOICES = ("allgather", "ring")
+MIN_CP_CHUNK = 512  # tokens per cp chunk (a rank holds two)
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,8 @@ class Candidate:
     recompute: str
     schedule: str = ""
     virtual: int = 1
+    cp: int = 1
+    cp_attention: str = "allgather"
     memory: int = 0  # peak bytes per device
     step_s: float = 0.0
     parts: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -100,17 +110,24 @@ class Candidate:
 
     @property
     def mesh(self) -> str:
-        return f"dp={self.dp},tp={self.tp},pp={self.pp}"
+        return f"dp={self.dp},tp={self.tp},pp={self.pp}" + (f",cp={self.cp}" if self.cp > 1 else "")
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
 
     def describe(self) -> str:
         pipe = f", {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "") if self.pp > 1 else ""
-        return f"{self.mesh}, zero {self.zero}, recompute {self.recompute}{pipe}"
+        context = f", cp {self.cp_attention}" if self.cp > 1 else ""
+        return f"{self.mesh}, zero {self.zero}, recompute {self.recompute}{pipe}{context}"
 
     def assignments(self) -> list[str]:
         out = [f"parallel.mesh={self.mesh}", f"parallel.zero={self.zero}", f"compute.recompute={self.recompute}",
                f"parallel.sequence_parallel={'true' if self.tp > 1 else 'false'}"]
         if self.pp > 1:
             out += [f"parallel.pipeline_schedule={self.schedule}", f"parallel.virtual_stages={self.virtual}"]
+        if self.cp > 1:
+            out.append(f"parallel.cp_attention={self.cp_attention}")
         return out
 
 
@@ -118,17 +135,25 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _cp_sizes(cfg: Any, devices: int) -> list[int]:
+    if not getattr(model_for(cfg.model), "CONTEXT_PARALLEL", False):
+        return [1]
+    return [cp for cp in _divisors(devices) if cfg.train.seq_len // (2 * cp) >= MIN_CP_CHUNK or cp == 1]
+
+
 def candidates(cfg: Any, devices: int, profile: DeviceProfile) -> list[Candidate]:
     out = []
-    for tp in _divisors(devices):
-        for pp in _divisors(devices // tp):
-            dp = devices // (tp * pp)
-            zeros = (0, 1) if pp > 1 else (0, 1, 2, 3)
-            schedules = SCHEDULE_CHOICES if pp > 1 else (("", 1),)
-            for zero in zeros:
-                for recompute in RECOMPUTE_CHOICES:
-                    for schedule, virtual in schedules:
-                        out.append(Candidate(dp, tp, pp, zero, recompute, schedule, virtual))
+    for cp in _cp_sizes(cfg, devices):
+        for tp in _divisors(devices // cp):
+            for pp in _divisors(devices // (cp * tp)):
+                dp = devices // (cp * tp * pp)
+                zeros = (0, 1) if pp > 1 else (0, 1, 2, 3)
+                schedules = SCHEDULE_CHOICES if pp > 1 else (("", 1),)
+                for zero in zeros:
+                    for recompute in RECOMPUTE_CHOICES:
+                        for schedule, virtual in schedules:
+                            for mode in CP_ATTENTION_CHOICES if cp > 1 else ("allgather",):
+                                out.append(Candidate(dp, tp, pp, zero, recompute, schedule, virtual, cp, mode))
     return out
 
 
@@ -143,12 +168,14 @@ def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int, plans:
     try:
         run_cfg = override(cfg, c.assignments())
         plans = {} if plans is None else plans
-        key = (c.mesh, c.zero, c.schedule, c.virtual)  # not the recompute mode: the plan does not depend on it
+        # not the recompute mode nor the cp attention: the plan does not depend on them
+        key = (c.mesh, c.zero, c.schedule, c.virtual)
+        model = model_for(run_cfg.model)
         if key not in plans:
-            model = model_for(run_cfg.model)
             plans[key] = plan_from(model.param_specs(run_cfg.model), run_cfg.parallel, model)
         plan = plans[key]
         run_cfg.validate(plan.mesh.data_size)
+        check_context_parallel(run_cfg, plan.mesh, model)
         if plan.pipeline is not None:
 
             check_microbatches(c.schedule, run_cfg.grad_accum_steps(c.dp), c.pp, c.virtual)
@@ -168,23 +195,26 @@ def _price(cfg: Any, c: Candidate, est: Any, profile: DeviceProfile) -> None:
     t = cfg.train
 
     specs = model_for(cfg.model).param_specs(cfg.model)
-    devices = c.dp * c.tp * c.pp
+    devices = c.devices
     flops = model_flops_per_token(specs, cfg.model, t.seq_len) * t.global_batch_size * t.seq_len
     factor = {"none": 1.0, "selective": 1.03, "full": 4 / 3}[c.recompute]
     compute = flops * factor / devices / (profile.peak_flops * profile.efficiency)
     tp_bw = profile.intra_bw if c.tp <= profile.per_node else profile.inter_bw
-    data_bw = profile.intra_bw if c.tp * c.dp <= profile.per_node else profile.inter_bw
+    # ranks: tp fastest, then cp, then the data axes
+    cp_bw = profile.intra_bw if c.tp * c.cp <= profile.per_node else profile.inter_bw
+    data_bw = profile.intra_bw if c.tp * c.cp * c.dp <= profile.per_node else profile.inter_bw
     pp_bw = profile.intra_bw if devices <= profile.per_node else profile.inter_bw
     traffic = est.traffic
     tp_s = traffic["tp"].bytes_sent / tp_bw if "tp" in traffic else 0.0
-    data_s = sum(v.bytes_sent for k, v in traffic.items() if k not in ("tp", "pp")) / data_bw
+    cp_s = traffic["cp"].bytes_sent / cp_bw if "cp" in traffic else 0.0
+    data_s = sum(v.bytes_sent for k, v in traffic.items() if k not in ("tp", "pp", "cp")) / data_bw
     pp_s = traffic["pp"].bytes_sent / pp_bw if "pp" in traffic else 0.0
     hidden_behind = compute if c.zero == 3 else compute * 2 / 3
     exposed = max(0.0, data_s - hidden_behind)
     n_micro = est.work.n_micro
     bubble = (c.pp - 1) / (c.virtual * n_micro) if c.pp > 1 else 0.0
-    c.step_s = (compute + tp_s) * (1 + bubble) + exposed + pp_s
-    c.parts = {"compute": compute, "tp": tp_s, "data": data_s, "data exposed": exposed, "bubble": bubble,
+    c.step_s = (compute + tp_s + cp_s) * (1 + bubble) + exposed + pp_s
+    c.parts = {"compute": compute, "tp": tp_s, "cp": cp_s, "data": data_s, "data exposed": exposed, "bubble": bubble,
                "pp": pp_s}
     c.mfu = flops / devices / c.step_s / profile.peak_flops
 
@@ -210,11 +240,12 @@ def report(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = 
              f"GB/s, network {profile.inter_bw / 1e9:.0f} GB/s, {profile.per_node} per node); global batch "
              f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens, micro batch {cfg.train.micro_batch_size}",
              f"{len(found)} candidates, {len(ok)} fit and divide"]
-    rows = [("#", "layout", "memory/device", "step s", "MFU", "compute", "tp", "data (exposed)", "bubble")]
+    rows = [("#", "layout", "memory/device", "step s", "MFU", "compute", "tp", "cp", "data (exposed)", "bubble")]
     for i, c in enumerate(ok[:top], 1):
         p = c.parts
         rows.append((str(i), c.describe(), f"{c.memory / 1e9:.1f} GB", f"{c.step_s:.3f}", f"{c.mfu:.0%}",
-                     f"{p['compute']:.3f}", f"{p['tp']:.3f}", f"{p['data']:.3f} ({p['data exposed']:.3f})",
+                     f"{p['compute']:.3f}", f"{p['tp']:.3f}", f"{p['cp']:.3f}",
+                     f"{p['data']:.3f} ({p['data exposed']:.3f})",
                      f"{p['bubble']:.0%}"))
 
     lines += text_table(rows) if ok else ["  no candidate fits: more devices, more memory per device, or a smaller "

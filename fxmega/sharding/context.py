@@ -21,9 +21,9 @@ import torch.distributed._functional_collectives as funcol
 
 from fxmega.core.errors import ConfigError
 from fxmega.models.registry import ModelFamily
+from fxmega.ops.recompute import backward_phase
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.ring_attention import ring_attention
-from fxmega.sharding.zero3 import backward_phase
 
 
 class SumGradOverContext(torch.autograd.Function):
@@ -98,9 +98,6 @@ def check_context_parallel(cfg: Any, mesh: MeshSpec, model: ModelFamily) -> None
     if not getattr(model, "CONTEXT_PARALLEL", False):
         raise ConfigError(f"--mesh {cfg.parallel.mesh}: the {name} model does not take out-of-order positions, which "
                           f"context parallelism needs (GPT and Llama causal language models do): drop cp")
-    if cfg.compute.loss_chunk:
-        raise ConfigError(f"compute.loss_chunk={cfg.compute.loss_chunk} is not implemented with context parallelism "
-                          f"yet: set compute.loss_chunk=0 (each cp rank's logits are already 1/{cp} of the sequence)")
     head_tail_order(cfg.train.seq_len, cp)  # the sequence splits into 2 cp chunks
     if cfg.parallel.cp_attention == "a2a":
         ways = cp * mesh.size("tp")

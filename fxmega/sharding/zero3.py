@@ -16,24 +16,15 @@ reduce-scatter of the piece's gradients, so gradients come back already sharded.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx.traceback
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fxmega.ops import recompute as block_recompute
+from fxmega.ops.recompute import backward_phase
 from fxmega.sharding.collectives import all_gather, reduce_scatter
-
-
-def backward_phase() -> Any:
-    """Mark the nodes traced in this block as the step's backward region. Without it the
-    backward of a custom autograd.Function (the gather below) is not tagged as backward, the
-    backward splits into disjoint regions, and the recompute pass refuses the graph."""
-    annotate = getattr(torch.fx.traceback, "annotate", None)
-    return annotate({"phase": "backward"}) if annotate is not None else contextlib.nullcontext()
 
 _ops = torch.ops
 # Produced by gathering and unpacking parameters; cheap to redo, expensive to keep.

@@ -25,9 +25,9 @@ import torch._dynamo
 
 from fxmega.core import tree
 from fxmega.ops.objectives import global_count
+from fxmega.ops.recompute import backward_phase
 from fxmega.sharding.inspect import aot_eager_backend
 from fxmega.sharding.runtime import Parallel
-from fxmega.sharding.zero3 import backward_phase
 from fxmega.training.optim import AdamWHyper
 from fxmega.training.update import Update
 
