@@ -180,8 +180,8 @@ def test_auto_planner_only_proposes_layouts_that_fit_and_divide():
 
 
 def test_auto_planner_searches_cp_for_long_sequences():
-    """At 64K tokens the 8B Llama fits 16 H100s only with its sequence split (tp alone does
-    not fit on a node), and the search finds cp; at 1,024 tokens cp is not tried (chunks
+    """At 64K tokens the search for the 8B Llama on 16 H100s puts a cp layout first (tp=8
+    alone fits, but sends more); at 1,024 tokens cp is not tried (chunks
     under 512 tokens). The ring holds less than the all-gather on the same layout."""
     cfg = cfg_of("llama31_8b", "compute.precision=bf16", "train.seq_len=65536", "model.max_seq_len=131072",
                  "train.global_batch_size=16", "train.micro_batch_size=1")
