@@ -64,6 +64,11 @@ class ActivationLayouts:
         placement = [Replicate()] if axes is None else self.placement(axes)
         return DTensor.from_local(local, self.mesh, placement, run_check=False)
 
+    def unwrap(self, x: torch.Tensor, axes: Axes) -> torch.Tensor:
+        """The inverse of ``wrap``: ``x`` held as ``axes`` says, as this rank's local tensor
+        (what a pipeline stage sends on)."""
+        return x if self.mesh is None else self.constrain(x, axes).to_local()
+
     def wrap_param(self, local: torch.Tensor, lay: ParamLayout) -> torch.Tensor:
         """A parameter's local shard as a DTensor over tp, split along its tp dim."""
         if self.mesh is None:

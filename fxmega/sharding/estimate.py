@@ -337,8 +337,8 @@ def _cp_traffic(work: Workload, shape: BlockShape, blocks: list[int], mine: list
     forward) and reduce-scatters the keys' and values' gradients; all-to-all (Ulysses)
     exchanges q, k and v for head groups and the output back, forward and backward, and
     gathers the positions; the ring passes k and v (and in the backward their gradients) to
-    the next rank, one chunk pair per step. Every parameter's gradient (a partial sum over the rank's chunks)
-    is all-reduced over cp, in fp32, once per micro batch."""
+    the next rank, one chunk pair per step. Every parameter's gradient (a partial sum over
+    the rank's chunks) is all-reduced over cp, in fp32, once per micro batch."""
     cp, n, act = work.cp, work.n_micro, work.act_bytes
     kv_full = work.tokens * cp * shape.kv_heads * shape.head_dim * act
     q_local = work.tokens * shape.heads * shape.head_dim * act

@@ -147,7 +147,7 @@ class PipelineStep:
 
     def _unwrap(self, x: torch.Tensor, axes: tuple) -> torch.Tensor:
         tp = self.par.activations
-        return x if tp is None or tp.mesh is None else tp.constrain(x, axes).to_local()  # cp alone: plain
+        return x if tp is None else tp.unwrap(x, axes)
 
     def _loss_fn(self, outputs: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
         """The objective's sum over a microbatch, divided by the global count (vocab-parallel
