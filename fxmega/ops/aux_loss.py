@@ -1,0 +1,65 @@
+"""Auxiliary losses from inside a block (MoE load balancing, router z-loss) that reach the
+gradient without changing what a block returns.
+
+A block returns only the residual stream, so that every path — one device, a mesh, a
+pipeline's stages, recompute — runs blocks the same way. An auxiliary loss therefore rides
+on the block's output: ``attach(x, aux_sum)`` returns ``x`` unchanged, and its backward adds
+``d(aux_sum)/d(params) * scale`` to the gradient, as if ``aux_sum * scale`` had been added
+to the loss (Megatron-LM's ``MoEAuxLossAutoScaler``). On a pipeline the stage that holds the
+block injects it, so no stage has to carry losses to the last one.
+
+``scale`` is the factor the step multiplies the summed main loss by before differentiating
+it (``1 / tokens of the global batch``, times the fp16 loss scale): whoever differentiates
+sets it with ``gradient_scale`` around the forward. An auxiliary sum is then summed over
+tokens like the main loss (see ``fxmega.ops.moe``), so both are means over the same tokens
+and the run does not depend on how the batch is split. Without a scale (evaluation,
+generation) nothing is attached.
+
+The scale is a tensor read from a module-level slot: ``torch.compile`` lifts it as a graph
+input, so a new value each step does not recompile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+_SCALE: list[torch.Tensor | None] = [None]
+
+
+@contextmanager
+def gradient_scale(scale: torch.Tensor) -> Iterator[None]:
+    """Inside, ``attach`` injects auxiliary losses multiplied by ``scale`` (a 0-dim tensor)."""
+    previous = _SCALE[0]
+    _SCALE[0] = scale
+    try:
+        yield
+    finally:
+        _SCALE[0] = previous
+
+
+def active_scale() -> torch.Tensor | None:
+    return _SCALE[0]
+
+
+class _Attach(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, aux_sum: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scale)
+        ctx.aux_dtype = aux_sum.dtype
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (scale,) = ctx.saved_tensors
+        return grad, scale.to(ctx.aux_dtype).reshape(()), None
+
+
+def attach(x: torch.Tensor, aux_sum: torch.Tensor) -> torch.Tensor:
+    """``x``, carrying ``aux_sum`` (a 0-dim sum, fp32 or wider) into the backward when a scale is set."""
+    scale = _SCALE[0]
+    if scale is None or not torch.is_grad_enabled():
+        return x
+    return _Attach.apply(x, aux_sum, scale)

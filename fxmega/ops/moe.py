@@ -1,0 +1,130 @@
+"""A mixture-of-experts feed-forward layer as a pure function: route each token
+(``fxmega.ops.routing``), run its experts (``fxmega.ops.experts``), add the shared experts,
+and attach the balancing terms to the gradient (``fxmega.ops.aux_loss``).
+
+``MoE`` holds the settings of Mixtral (8 experts, top 2, softmax, no shared experts),
+Qwen3-MoE (fine-grained experts, top 8) and DeepSeek-V3/DeepSeek-MoE (sigmoid scores,
+group-limited routing, a selection bias instead of an auxiliary loss, shared experts, the
+first layers dense). Parameter axes: experts stack along ``expert``; each expert's hidden
+width is ``mlp`` like a dense MLP's, so tensor parallelism splits experts the way it splits
+an MLP; the router's output dim is ``expert_logits`` and is never split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fxmega.core.errors import ConfigError
+from fxmega.core.spec import Init, ParamSpec
+from fxmega.ops import aux_loss, experts, routing
+
+
+@dataclass(frozen=True)
+class MoE:
+    """Where a model uses experts and how (``n_experts=0``: a dense model)."""
+
+    n_experts: int = 0
+    top_k: int = 2
+    d_expert: int = 0  # each routed expert's hidden width (0: the model's d_ff)
+    n_shared_experts: int = 0  # always-on experts of width d_expert each, run as one MLP
+    first_dense_layers: int = 0  # the first layers keep a dense MLP of width d_ff (DeepSeek: 1 or 3)
+    score: str = "softmax"  # softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)
+    norm_topk: bool = True  # the k weights sum to 1 (Mixtral, Qwen3, DeepSeek-V3; Qwen2-MoE: False)
+    n_groups: int = 1  # group-limited routing (DeepSeek-V3: 8 groups ...
+    topk_groups: int = 1  # ... of which 4 are eligible per token)
+    route_scale: float = 1.0  # the routed output's factor (DeepSeek-V3: 2.5)
+    capacity_factor: float = 0.0  # 0: dropless; else each expert holds factor * T k / E tokens of a sequence
+    aux_loss_coeff: float = 0.0  # the load-balancing loss per layer (Mixtral as trained by HF: 0.02)
+    z_loss_coeff: float = 0.0  # the router z-loss per layer (ST-MoE: 1e-3)
+
+    @property
+    def enabled(self) -> bool:
+        return self.n_experts > 0
+
+    def validate(self, prefix: str = "model.moe") -> None:
+        if self.n_experts < 0:
+            raise ConfigError(f"{prefix}.n_experts={self.n_experts} must be positive, or 0 for a dense model")
+        if not self.enabled:
+            return
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ConfigError(f"{prefix}.top_k={self.top_k} of n_experts={self.n_experts}: need "
+                              f"1 <= top_k <= n_experts")
+        if self.score not in routing.SCORES:
+            raise ConfigError(f"{prefix}.score={self.score!r}: choose one of {', '.join(routing.SCORES)}")
+        if self.n_groups < 1 or self.n_experts % self.n_groups:
+            raise ConfigError(f"{prefix}.n_groups={self.n_groups} does not divide n_experts={self.n_experts}: "
+                              f"each group holds the same number of experts")
+        if not 1 <= self.topk_groups <= self.n_groups:
+            raise ConfigError(f"{prefix}.topk_groups={self.topk_groups}: need 1 <= topk_groups <= "
+                              f"n_groups={self.n_groups}")
+        eligible = self.topk_groups * self.n_experts // self.n_groups
+        if eligible < self.top_k:
+            raise ConfigError(f"{prefix}: the {self.topk_groups} best groups hold {eligible} experts, fewer "
+                              f"than top_k={self.top_k}: raise topk_groups")
+        for name in ("d_expert", "n_shared_experts", "first_dense_layers", "capacity_factor", "aux_loss_coeff",
+                     "z_loss_coeff"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must not be negative")
+        if self.route_scale <= 0:
+            raise ConfigError(f"{prefix}.route_scale={self.route_scale} must be positive")
+
+    def expert_width(self, d_ff: int) -> int:
+        return self.d_expert or d_ff
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.enabled and index >= self.first_dense_layers
+
+
+def swiglu(p: dict, x: torch.Tensor) -> torch.Tensor:
+    """``down(silu(x gate) * x up)`` with ``p``'s ``w_gate``, ``w_up`` ``[d, f]`` and ``w_down [f, d]``."""
+    return (F.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
+
+
+def param_specs(moe: MoE, d_model: int, d_ff: int, weight: Init, residual: Init) -> dict:
+    """One MoE layer's parameters: the router ``[embed, expert_logits]``, the routed experts'
+    SwiGLU weights stacked along ``expert``, and the shared experts' as one dense SwiGLU."""
+    d, e, f = d_model, moe.n_experts, moe.expert_width(d_ff)
+    out = {
+        "router": ParamSpec((d, e), ("embed", "expert_logits"), weight),
+        "w_gate": ParamSpec((e, d, f), ("expert", "embed", "mlp"), weight),
+        "w_up": ParamSpec((e, d, f), ("expert", "embed", "mlp"), weight),
+        "w_down": ParamSpec((e, f, d), ("expert", "mlp", "embed"), residual),
+    }
+    if moe.n_shared_experts:
+        fs = moe.n_shared_experts * f
+        out["shared"] = {
+            "w_gate": ParamSpec((d, fs), ("embed", "mlp"), weight),
+            "w_up": ParamSpec((d, fs), ("embed", "mlp"), weight),
+            "w_down": ParamSpec((fs, d), ("mlp", "embed"), residual),
+        }
+    return out
+
+
+def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE feed-forward layer on ``x [batch, seq, d]``; ``valid [batch, seq]`` (1 for a
+    token, 0 for padding) keeps padding out of the balancing terms. Under a training step's
+    ``aux_loss.gradient_scale`` the balancing terms join the gradient: per sequence,
+    ``aux_loss_coeff x balancing + z_loss_coeff x z``, counted once per token of the sequence
+    (so that with the main loss's ``1 / tokens`` it is their mean over sequences)."""
+    b, s, d = x.shape
+    flat = x.reshape(b * s, d)
+    r = routing.route(flat, p["router"], moe)
+    if moe.capacity_factor:
+        rows = experts.capacity(s, moe.top_k, moe.n_experts, moe.capacity_factor)
+        y = experts.with_capacity(x, r.experts.view(b, s, -1), r.weights.view(b, s, -1), p["w_gate"], p["w_up"],
+                                  p["w_down"], rows).out
+    else:
+        y = experts.dropless(flat, r.experts, r.weights, p["w_gate"], p["w_up"], p["w_down"]).out.view(b, s, d)
+    if "shared" in p:
+        y = y + swiglu(p["shared"], x)
+    if moe.aux_loss_coeff or moe.z_loss_coeff:
+        per_sequence = r.probs.new_zeros(b)
+        if moe.aux_loss_coeff:
+            per_sequence = per_sequence + moe.aux_loss_coeff * routing.balancing_loss(r, b, moe, valid)
+        if moe.z_loss_coeff:
+            per_sequence = per_sequence + moe.z_loss_coeff * routing.z_loss(r, b, valid)
+        y = aux_loss.attach(y, (per_sequence * routing.sequence_tokens(s, b, valid, x.device).to(per_sequence)).sum())
+    return y
