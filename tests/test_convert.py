@@ -1,4 +1,4 @@
-"""Hugging Face interop: a tiny random GPT-2 and Llama saved by ``transformers`` import into
+"""Hugging Face interop: a tiny random GPT-2, Llama and Mixtral saved by ``transformers`` import into
 fxmega with logits equal in float64 (1e-10), export back into directories that
 ``transformers`` loads with identical weights and logits, and go through the command line
 and into training."""
@@ -12,7 +12,7 @@ import torch
 from fxmega.cli import main
 from fxmega.core import tree
 from fxmega.core.errors import CheckpointError, ConfigError
-from fxmega.models import gpt, llama
+from fxmega.models import gpt, llama, mixtral
 from fxmega.ops.rope import RopeScaling
 from fxmega.storage.convert import config_from_hf, from_hf, to_hf
 from tests.conftest import ROOT
@@ -43,7 +43,18 @@ def _random(model):
     return model.double().eval()
 
 
-MODELS = {"gpt": (_hf_gpt2, gpt), "llama": (_hf_llama, llama)}
+def _hf_mixtral():
+    # 4 experts, top 2; logits compared in float64, where no two routing scores tie
+    cfg = transformers.MixtralConfig(vocab_size=100, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     num_local_experts=4, num_experts_per_tok=2, rope_theta=1e6, bos_token_id=0,
+                                     eos_token_id=0, attn_implementation="sdpa",
+                                     # a loop over experts: torch's grouped product takes no float64
+                                     experts_implementation="eager")
+    return transformers.MixtralForCausalLM(cfg)
+
+
+MODELS = {"gpt": (_hf_gpt2, gpt), "llama": (_hf_llama, llama), "mixtral": (_hf_mixtral, mixtral)}
 
 
 @pytest.mark.parametrize("family", list(MODELS))
@@ -54,11 +65,18 @@ def test_round_trip_with_float64_logits(family, tmp_path):
     got_family, cfg, params = from_hf(tmp_path / "hf", dtype=torch.float64)
     assert got_family == family
     tokens = torch.randint(0, 100, (2, 24))
+    # float64 throughout, except that transformers' Mixtral router takes its softmax and top-k
+    # weights in fp32 (``router_logits.float()``): each layer's k expert weights carry a
+    # relative rounding of up to 4 eps32 (the softmax, the top-k sum and the division), so the
+    # logits may move by layers x k x 4 eps32 x their size
+    atol = 1e-10 if family != "mixtral" else cfg.n_layers * cfg.moe.top_k * 1.2e-7 * 4
     with torch.no_grad():
         want = hf(tokens).logits
-        torch.testing.assert_close(module.forward(params, tokens, cfg), want, rtol=0, atol=1e-10)
+        torch.testing.assert_close(module.forward(params, tokens, cfg), want, rtol=0,
+                                   atol=max(atol, atol * float(want.abs().max())))
     to_hf(family, cfg, params, tmp_path / "back")
-    back = type(hf).from_pretrained(tmp_path / "back", torch_dtype=torch.float64).eval()
+    loop = {"experts_implementation": "eager"} if family == "mixtral" else {}  # float64: see _hf_mixtral
+    back = type(hf).from_pretrained(tmp_path / "back", torch_dtype=torch.float64, **loop).eval()
     for name, tensor in hf.state_dict().items():
         assert torch.equal(back.state_dict()[name], tensor), name
     with torch.no_grad():
@@ -142,7 +160,7 @@ def test_conversion_errors(tmp_path):
     with pytest.raises(CheckpointError, match="has no config.json"):
         from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    with pytest.raises(ConfigError, match="model_type 't5': fxmega converts gpt2, llama and bert"):
+    with pytest.raises(ConfigError, match="model_type 't5': fxmega converts gpt2, llama, mixtral and bert"):
         from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(CheckpointError, match="has no model.safetensors"):

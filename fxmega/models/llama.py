@@ -9,12 +9,14 @@ elsewhere and sees only the logical axis names.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from fxmega.core.errors import ConfigError
-from fxmega.core.spec import ONES, ParamSpec, normal
+from fxmega.core.spec import ONES, Init, ParamSpec, normal
 from fxmega.models.census import Saved
 from fxmega.models.checks import require_positive
 from fxmega.ops import layers, objectives
@@ -70,36 +72,55 @@ class Config:
             )
 
 
-def param_specs(cfg: Config) -> dict:
-    d, h, kv, hd, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.d_ff
-    weight = normal(cfg.init_std)
-    # Projections that write into the residual stream start smaller, as in GPT-2 and
-    # Megatron's scaled init, so the residual does not grow with depth.
-    residual = normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
+def inits(cfg: Any) -> tuple[Init, Init]:
+    """The projections' initialisers: ``weight``, and ``residual`` for those that write into
+    the residual stream, which start smaller, as in GPT-2 and Megatron's scaled init, so the
+    residual does not grow with depth."""
+    return normal(cfg.init_std), normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
 
-    def block() -> dict:
-        return {
-            "attn_norm": {"scale": ParamSpec((d,), ("embed",), ONES)},
-            "attn": {
-                "wq": ParamSpec((d, h, hd), ("embed", "heads", "head_dim"), weight),
-                "wk": ParamSpec((d, kv, hd), ("embed", "kv_heads", "head_dim"), weight),
-                "wv": ParamSpec((d, kv, hd), ("embed", "kv_heads", "head_dim"), weight),
-                "wo": ParamSpec((h, hd, d), ("heads", "head_dim", "embed"), residual),
-            },
-            "mlp_norm": {"scale": ParamSpec((d,), ("embed",), ONES)},
-            "mlp": {
-                "w_gate": ParamSpec((d, f), ("embed", "mlp"), weight),
-                "w_up": ParamSpec((d, f), ("embed", "mlp"), weight),
-                "w_down": ParamSpec((f, d), ("mlp", "embed"), residual),
-            },
-        }
 
+def block_specs(cfg: Any, feed_forward: dict) -> dict:
+    """One block's parameters: the norms and attention, and ``feed_forward`` (its sublayer's
+    parameter groups: ``{"mlp": ...}`` here, ``{"moe": ...}`` for experts)."""
+    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    weight, residual = inits(cfg)
     return {
-        "embed": {"tokens": ParamSpec((cfg.vocab_size, d), ("vocab", "embed"), weight)},
-        "blocks": [block() for _ in range(cfg.n_layers)],
-        "final_norm": {"scale": ParamSpec((d,), ("embed",), ONES)},
-        "head": ParamSpec((d, cfg.vocab_size), ("embed", "vocab"), weight),
+        "attn_norm": {"scale": ParamSpec((d,), ("embed",), ONES)},
+        "attn": {
+            "wq": ParamSpec((d, h, hd), ("embed", "heads", "head_dim"), weight),
+            "wk": ParamSpec((d, kv, hd), ("embed", "kv_heads", "head_dim"), weight),
+            "wv": ParamSpec((d, kv, hd), ("embed", "kv_heads", "head_dim"), weight),
+            "wo": ParamSpec((h, hd, d), ("heads", "head_dim", "embed"), residual),
+        },
+        "mlp_norm": {"scale": ParamSpec((d,), ("embed",), ONES)},
+        **feed_forward,
     }
+
+
+def mlp_specs(cfg: Any, d_ff: int) -> dict:
+    """The SwiGLU MLP's parameters, width ``d_ff``."""
+    d = cfg.d_model
+    weight, residual = inits(cfg)
+    return {"mlp": {
+        "w_gate": ParamSpec((d, d_ff), ("embed", "mlp"), weight),
+        "w_up": ParamSpec((d, d_ff), ("embed", "mlp"), weight),
+        "w_down": ParamSpec((d_ff, d), ("mlp", "embed"), residual),
+    }}
+
+
+def specs_with_blocks(cfg: Any, blocks: list[dict]) -> dict:
+    """The whole model's parameters around ``blocks``: embedding, final norm, untied head."""
+    weight, _ = inits(cfg)
+    return {
+        "embed": {"tokens": ParamSpec((cfg.vocab_size, cfg.d_model), ("vocab", "embed"), weight)},
+        "blocks": blocks,
+        "final_norm": {"scale": ParamSpec((cfg.d_model,), ("embed",), ONES)},
+        "head": ParamSpec((cfg.d_model, cfg.vocab_size), ("embed", "vocab"), weight),
+    }
+
+
+def param_specs(cfg: Config) -> dict:
+    return specs_with_blocks(cfg, [block_specs(cfg, mlp_specs(cfg, cfg.d_ff)) for _ in range(cfg.n_layers)])
 
 
 # Top-level parameter groups read by ``embed`` and by ``head``.
@@ -163,12 +184,22 @@ def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
     return layers.linear(h, p["w_down"])
 
 
-def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,
-          positions: torch.Tensor | None = None, cache: layers.KV | None = None,
-          write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
-    """One pre-norm block on the residual stream ``x [batch, seq, embed]``; sublayers read
-    the whole sequence (see ``gpt.block``); ``valid`` is the padding mask. With ``cache`` and
-    ``write`` it decodes (see ``fxmega.models.pieces.decode_pieces``) and returns ``(x, updated cache)``."""
+FeedForward = Callable[[dict, torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
+
+
+def dense_feed_forward(p: dict, h: torch.Tensor, cfg: Any, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The block's feed-forward sublayer: the SwiGLU MLP ``p["mlp"]``."""
+    return mlp(p["mlp"], h)
+
+
+def residual_block(p: dict, x: torch.Tensor, cfg: Any, feed_forward: FeedForward, valid: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None, cache: layers.KV | None = None,
+                   write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
+    """One pre-norm block on the residual stream ``x [batch, seq, embed]``: attention, then
+    ``feed_forward(p, h, cfg, valid)`` (the MLP here; experts in ``fxmega.models.mixtral``).
+    Sublayers read the whole sequence (see ``gpt.block``); ``valid`` is the padding mask.
+    With ``cache`` and ``write`` it decodes (see ``fxmega.models.pieces.decode_pieces``) and
+    returns ``(x, updated cache)``."""
     h = shard(layers.rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps), "batch", "ctx", "embed")
     if cache is not None:
         a, cache = attention(p["attn"], h, cfg, cache=cache, write=write)
@@ -176,8 +207,15 @@ def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = No
         a = attention(p["attn"], h, cfg, valid, positions)
     x = x + shard(a, "batch", "seq", "embed")
     h = shard(layers.rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "batch", "ctx", "embed")
-    x = x + shard(mlp(p["mlp"], h), "batch", "seq", "embed")
+    x = x + shard(feed_forward(p, h, cfg, valid), "batch", "seq", "embed")
     return x if cache is None else (x, cache)
+
+
+def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,
+          positions: torch.Tensor | None = None, cache: layers.KV | None = None,
+          write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
+    """One Llama block (``residual_block`` with the dense MLP)."""
+    return residual_block(p, x, cfg, dense_feed_forward, valid, positions, cache, write)
 
 
 def embed(params: dict, tokens: torch.Tensor, cfg: Config, positions: torch.Tensor | None = None) -> torch.Tensor:

@@ -35,6 +35,7 @@ from fxmega.core.errors import ConfigError
 from fxmega.models import model_for
 from fxmega.planning.report import estimate_plan, text_table
 from fxmega.sharding.context import check_context_parallel
+from fxmega.sharding.mesh import check_model_mesh
 from fxmega.sharding.pipeline import check_microbatches
 from fxmega.sharding.strategy import plan_from
 from fxmega.training.metrics import model_flops_per_token
@@ -175,6 +176,7 @@ def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int, plans:
             plans[key] = plan_from(model.param_specs(run_cfg.model), run_cfg.parallel, model)
         plan = plans[key]
         run_cfg.validate(plan.mesh.data_size)
+        check_model_mesh(run_cfg, plan.mesh, model)
         check_context_parallel(run_cfg, plan.mesh, model)
         if plan.pipeline is not None:
 

@@ -30,7 +30,7 @@ from fxmega.models import loss_by_pieces, model_for
 from fxmega.sharding.context import check_context_parallel
 from fxmega.sharding.distributed import local_specs
 from fxmega.sharding.inspect import Collective, record_collectives
-from fxmega.sharding.mesh import MeshSpec, build_device_mesh
+from fxmega.sharding.mesh import MeshSpec, build_device_mesh, check_model_mesh
 from fxmega.sharding.runtime import Parallel
 from fxmega.sharding.strategy import plan_from
 from fxmega.training.optim import AdamWHyper, decay_mask
@@ -62,6 +62,7 @@ def fake_parallel(cfg: RunConfig, rank: int) -> Parallel:
     plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
     device_mesh = build_device_mesh(mesh, "cpu")
     local = local_specs(model.param_specs(cfg.model), plan, mesh.coords(rank)["pp"])
+    check_model_mesh(cfg, mesh, model)
     check_context_parallel(cfg, mesh, model)
     return Parallel(plan, device_mesh, rank, local, cfg.parallel.bucket_size, cfg.parallel.zero3_regather,
                     cfg.compute, cfg.parallel.cp_attention)

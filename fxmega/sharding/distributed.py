@@ -25,7 +25,7 @@ from fxmega.core.log import get_logger
 from fxmega.models import model_for
 from fxmega.models.registry import ModelFamily
 from fxmega.sharding.context import check_context_parallel
-from fxmega.sharding.mesh import MeshSpec, build_device_mesh, check_world_size
+from fxmega.sharding.mesh import MeshSpec, build_device_mesh, check_model_mesh, check_world_size
 from fxmega.sharding.runtime import Parallel
 from fxmega.sharding.strategy import plan_from
 
@@ -97,6 +97,7 @@ def setup(cfg: RunConfig, mesh: MeshSpec, model: ModelFamily | None = None) -> t
     config's; fine-tuning gives its classifier)."""
 
     model = model_for(cfg.model) if model is None else model
+    check_model_mesh(cfg, mesh, model)
     check_context_parallel(cfg, mesh, model)
     per_rank_caches()
     device_type = None if cfg.train.device == "auto" else cfg.train.device

@@ -1,4 +1,4 @@
-"""Hugging Face ⇄ fxmega, for GPT-2 and Llama: ``from_hf(dir)`` reads a local model
+"""Hugging Face ⇄ fxmega, for GPT-2, Llama and Mixtral: ``from_hf(dir)`` reads a local model
 directory (``config.json`` + safetensors, one file or an index of shards) and ``to_hf``
 writes one that ``transformers`` loads. The tensor renaming lives in ``hf_layout``; this
 module maps the configs and does the file work.
@@ -20,7 +20,8 @@ from fxmega.core import tree
 from fxmega.core.errors import CheckpointError, ConfigError
 from fxmega.core.json_files import check_fields
 from fxmega.data.tokenizer import portable
-from fxmega.models import gpt, llama
+from fxmega.models import gpt, llama, mixtral
+from fxmega.ops.moe import MoE
 from fxmega.ops.rope import RopeScaling
 from fxmega.storage import checkpoint, hf_files, hf_layout
 from fxmega.storage.checkpoint_files import digests
@@ -68,8 +69,10 @@ def _require(ok: bool, message: str) -> None:
 
 
 # the config.json fields each converter cannot do without (the others have transformers' defaults)
+_LLAMA_REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
 _REQUIRED = {"gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),
-             "llama": ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")}
+             "llama": _LLAMA_REQUIRED,
+             "mixtral": (*_LLAMA_REQUIRED, "num_local_experts", "num_experts_per_tok")}
 
 
 def config_from_hf(hf: dict[str, Any]) -> tuple[str, gpt.Config | llama.Config]:
@@ -84,17 +87,29 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[str, gpt.Config | llama.Config]:
                                  n_layers=hf["n_layer"], n_heads=hf["n_head"], d_ff=hf.get("n_inner") or 0,
                                  norm_eps=hf.get("layer_norm_epsilon", 1e-5))
     if kind == "llama":
-        theta, scaling = _rope_from_hf(hf)
-        _require(hf.get("hidden_act", "silu") == "silu" and not hf.get("attention_bias") and not hf.get("mlp_bias"),
-                 "this Llama variant (activation or biases) differs from fxmega's Llama")
-        d, h = hf["hidden_size"], hf["num_attention_heads"]
-        _require(hf.get("head_dim") in (None, d // h), f"head_dim {hf.get('head_dim')} != hidden_size / heads")
-        return "llama", llama.Config(
-            vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 4096), d_model=d,
-            n_layers=hf["num_hidden_layers"], n_heads=h, n_kv_heads=hf.get("num_key_value_heads") or h,
-            d_ff=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
-            norm_eps=hf.get("rms_norm_eps", 1e-5))
-    raise ConfigError(f"Hugging Face model_type {kind!r}: fxmega converts gpt2, llama and bert")
+        return "llama", llama.Config(**_llama_fields(hf))
+    if kind == "mixtral":
+        _require(not hf.get("sliding_window"), f"Mixtral with sliding_window={hf.get('sliding_window')}: fxmega "
+                                               f"attends over the whole context (Mixtral 8x7B's config has null)")
+        _require(not hf.get("router_jitter_noise"), f"router_jitter_noise={hf.get('router_jitter_noise')}: fxmega's "
+                                                    f"router adds no noise")
+        moe = MoE(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
+                  aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
+        return "mixtral", mixtral.Config(**_llama_fields(hf), moe=moe)
+    raise ConfigError(f"Hugging Face model_type {kind!r}: fxmega converts gpt2, llama, mixtral and bert")
+
+
+def _llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """The ``llama.Config`` fields of a Llama-shaped config.json (Llama, Mixtral)."""
+    theta, scaling = _rope_from_hf(hf)
+    _require(hf.get("hidden_act", "silu") == "silu" and not hf.get("attention_bias") and not hf.get("mlp_bias"),
+             "this Llama variant (activation or biases) differs from fxmega's Llama")
+    d, h = hf["hidden_size"], hf["num_attention_heads"]
+    _require(hf.get("head_dim") in (None, d // h), f"head_dim {hf.get('head_dim')} != hidden_size / heads")
+    return dict(vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 4096), d_model=d,
+                n_layers=hf["num_hidden_layers"], n_heads=h, n_kv_heads=hf.get("num_key_value_heads") or h,
+                d_ff=hf["intermediate_size"], rope_theta=theta, rope_scaling=scaling,
+                norm_eps=hf.get("rms_norm_eps", 1e-5))
 
 
 # RoPE scaling fields: Hugging Face's name -> fxmega's (RopeScaling), per rope_type
@@ -144,13 +159,24 @@ def config_to_hf(family: str, cfg: gpt.Config | llama.Config, dtype: torch.dtype
                 "n_inner": cfg.d_ff or None, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
                 "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "tie_word_embeddings": True,
                 "torch_dtype": torch_dtype}
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
-            "max_position_embeddings": cfg.max_seq_len, "hidden_size": cfg.d_model,
-            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-            "num_key_value_heads": cfg.kv_heads, "intermediate_size": cfg.d_ff, "rope_theta": cfg.rope_theta,
-            "rope_parameters": _rope_to_hf(cfg),
-            "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "tie_word_embeddings": False,
-            "attention_bias": False, "mlp_bias": False, "torch_dtype": torch_dtype}
+    out = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": cfg.vocab_size,
+           "max_position_embeddings": cfg.max_seq_len, "hidden_size": cfg.d_model,
+           "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+           "num_key_value_heads": cfg.kv_heads, "intermediate_size": cfg.d_ff, "rope_theta": cfg.rope_theta,
+           "rope_parameters": _rope_to_hf(cfg),
+           "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "tie_word_embeddings": False,
+           "attention_bias": False, "mlp_bias": False, "torch_dtype": torch_dtype}
+    if family == "mixtral":
+        out |= {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                "num_local_experts": cfg.moe.n_experts, "num_experts_per_tok": cfg.moe.top_k,
+                "router_aux_loss_coef": cfg.moe.aux_loss_coeff, "sliding_window": None, "router_jitter_noise": 0.0}
+    return out
+
+
+# family -> (Hugging Face state dict -> params, params -> state dict)
+_LAYOUTS = {"gpt": (hf_layout.gpt2_from_hf, hf_layout.gpt2_to_hf),
+            "llama": (hf_layout.llama_from_hf, hf_layout.llama_to_hf),
+            "mixtral": (hf_layout.mixtral_from_hf, hf_layout.mixtral_to_hf)}
 
 
 def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[str, Any, dict]:
@@ -164,7 +190,7 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[str, 
     family, cfg = config_from_hf(hf_files.read_config(path, "give a Hugging Face model directory"))
     sd = {k: v.to(dtype) for k, v in _read_tensors(path).items()}
     try:
-        params = hf_layout.gpt2_from_hf(sd, cfg) if family == "gpt" else hf_layout.llama_from_hf(sd, cfg)
+        params = _LAYOUTS[family][0](sd, cfg)
     except KeyError as e:
         raise CheckpointError(f"{path}: tensor {e} is missing for a {family} model with {cfg.n_layers} "
                               f"layers") from None
@@ -178,7 +204,9 @@ def to_hf(family: str, cfg: Any, params: dict, path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     params = tree.map_leaves(lambda t: t.detach().cpu(), params)
-    sd = hf_layout.gpt2_to_hf(params, cfg) if family == "gpt" else hf_layout.llama_to_hf(params, cfg)
+    _require(family in _LAYOUTS, f"model family {family!r}: fxmega exports {', '.join(_LAYOUTS)} (and bert's "
+                                 f"checkpoints are read, not written)")
+    sd = _LAYOUTS[family][1](params, cfg)
     if family == "gpt":
         sd.pop("lm_head.weight")  # tied to wte: transformers re-ties it on load
     dtype = next(iter(sd.values())).dtype

@@ -1,4 +1,5 @@
-"""Hugging Face ``transformers`` weight layouts ⇄ fxmega parameter trees, for GPT-2 and Llama.
+"""Hugging Face ``transformers`` weight layouts ⇄ fxmega parameter trees, for GPT-2, Llama and
+Mixtral.
 
 Only the renaming and reshaping of tensors lives here (no file I/O): GPT-2's Conv1D weights
 are already ``[in, out]`` like ours; Llama's ``nn.Linear`` weights are ``[out, in]`` and are
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fxmega.models import gpt, llama
+from fxmega.models import gpt, llama, mixtral
 
 
 def gpt2_from_hf(sd: dict[str, torch.Tensor], cfg: gpt.Config) -> dict:
@@ -69,27 +70,22 @@ def gpt2_to_hf(params: dict, cfg: gpt.Config) -> dict[str, torch.Tensor]:
     return sd
 
 
-def llama_from_hf(sd: dict[str, torch.Tensor], cfg: llama.Config) -> dict:
-    """fxmega Llama params from a ``LlamaForCausalLM`` state dict."""
+def _llama_block_from_hf(sd: dict[str, torch.Tensor], p: str, cfg: llama.Config) -> dict:
+    """A Llama block's norms and attention from the tensors under prefix ``p``."""
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    blocks = []
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}"
-        blocks.append({
-            "attn_norm": {"scale": sd[f"{p}.input_layernorm.weight"]},
-            "attn": {
-                "wq": sd[f"{p}.self_attn.q_proj.weight"].t().reshape(d, h, hd),
-                "wk": sd[f"{p}.self_attn.k_proj.weight"].t().reshape(d, kv, hd),
-                "wv": sd[f"{p}.self_attn.v_proj.weight"].t().reshape(d, kv, hd),
-                "wo": sd[f"{p}.self_attn.o_proj.weight"].t().reshape(h, hd, d),
-            },
-            "mlp_norm": {"scale": sd[f"{p}.post_attention_layernorm.weight"]},
-            "mlp": {
-                "w_gate": sd[f"{p}.mlp.gate_proj.weight"].t(),
-                "w_up": sd[f"{p}.mlp.up_proj.weight"].t(),
-                "w_down": sd[f"{p}.mlp.down_proj.weight"].t(),
-            },
-        })
+    return {
+        "attn_norm": {"scale": sd[f"{p}.input_layernorm.weight"]},
+        "attn": {
+            "wq": sd[f"{p}.self_attn.q_proj.weight"].t().reshape(d, h, hd),
+            "wk": sd[f"{p}.self_attn.k_proj.weight"].t().reshape(d, kv, hd),
+            "wv": sd[f"{p}.self_attn.v_proj.weight"].t().reshape(d, kv, hd),
+            "wo": sd[f"{p}.self_attn.o_proj.weight"].t().reshape(h, hd, d),
+        },
+        "mlp_norm": {"scale": sd[f"{p}.post_attention_layernorm.weight"]},
+    }
+
+
+def _llama_outer_from_hf(sd: dict[str, torch.Tensor], blocks: list[dict]) -> dict:
     return {
         "embed": {"tokens": sd["model.embed_tokens.weight"]},
         "blocks": blocks,
@@ -98,26 +94,76 @@ def llama_from_hf(sd: dict[str, torch.Tensor], cfg: llama.Config) -> dict:
     }
 
 
-def llama_to_hf(params: dict, cfg: llama.Config) -> dict[str, torch.Tensor]:
-    """A ``LlamaForCausalLM`` state dict from fxmega Llama params."""
-    d = cfg.d_model
-    sd = {
+def llama_from_hf(sd: dict[str, torch.Tensor], cfg: llama.Config) -> dict:
+    """fxmega Llama params from a ``LlamaForCausalLM`` state dict."""
+    blocks = []
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}"
+        blocks.append(_llama_block_from_hf(sd, p, cfg) | {"mlp": {
+            "w_gate": sd[f"{p}.mlp.gate_proj.weight"].t(),
+            "w_up": sd[f"{p}.mlp.up_proj.weight"].t(),
+            "w_down": sd[f"{p}.mlp.down_proj.weight"].t(),
+        }})
+    return _llama_outer_from_hf(sd, blocks)
+
+
+def mixtral_from_hf(sd: dict[str, torch.Tensor], cfg: mixtral.Config) -> dict:
+    """fxmega Mixtral params from a ``MixtralForCausalLM`` checkpoint as the Hub and
+    ``save_pretrained`` store it: per expert ``w1`` (gate), ``w3`` (up) ``[f, d]`` and ``w2``
+    (down) ``[d, f]``, the router ``gate [E, d]``."""
+    blocks = []
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}"
+        moe = f"{p}.block_sparse_moe"
+        experts = {w: torch.stack([sd[f"{moe}.experts.{e}.{w}.weight"].t() for e in range(cfg.moe.n_experts)])
+                   for w in ("w1", "w2", "w3")}
+        blocks.append(_llama_block_from_hf(sd, p, cfg) | {"moe": {
+            "router": sd[f"{moe}.gate.weight"].t(), "w_gate": experts["w1"], "w_up": experts["w3"],
+            "w_down": experts["w2"]}})
+    return _llama_outer_from_hf(sd, blocks)
+
+
+def _llama_block_to_hf(b: dict, p: str, d: int) -> dict[str, torch.Tensor]:
+    a = b["attn"]
+    return {
+        f"{p}.input_layernorm.weight": b["attn_norm"]["scale"],
+        f"{p}.post_attention_layernorm.weight": b["mlp_norm"]["scale"],
+        f"{p}.self_attn.q_proj.weight": a["wq"].reshape(d, -1).t(),
+        f"{p}.self_attn.k_proj.weight": a["wk"].reshape(d, -1).t(),
+        f"{p}.self_attn.v_proj.weight": a["wv"].reshape(d, -1).t(),
+        f"{p}.self_attn.o_proj.weight": a["wo"].reshape(-1, d).t(),
+    }
+
+
+def _llama_outer_to_hf(params: dict) -> dict[str, torch.Tensor]:
+    return {
         "model.embed_tokens.weight": params["embed"]["tokens"],
         "model.norm.weight": params["final_norm"]["scale"],
         "lm_head.weight": params["head"].t(),
     }
+
+
+def llama_to_hf(params: dict, cfg: llama.Config) -> dict[str, torch.Tensor]:
+    """A ``LlamaForCausalLM`` state dict from fxmega Llama params."""
+    sd = _llama_outer_to_hf(params)
     for i, b in enumerate(params["blocks"]):
-        p = f"model.layers.{i}"
-        a, m = b["attn"], b["mlp"]
-        sd |= {
-            f"{p}.input_layernorm.weight": b["attn_norm"]["scale"],
-            f"{p}.post_attention_layernorm.weight": b["mlp_norm"]["scale"],
-            f"{p}.self_attn.q_proj.weight": a["wq"].reshape(d, -1).t(),
-            f"{p}.self_attn.k_proj.weight": a["wk"].reshape(d, -1).t(),
-            f"{p}.self_attn.v_proj.weight": a["wv"].reshape(d, -1).t(),
-            f"{p}.self_attn.o_proj.weight": a["wo"].reshape(-1, d).t(),
+        p, m = f"model.layers.{i}", b["mlp"]
+        sd |= _llama_block_to_hf(b, p, cfg.d_model) | {
             f"{p}.mlp.gate_proj.weight": m["w_gate"].t(),
             f"{p}.mlp.up_proj.weight": m["w_up"].t(),
             f"{p}.mlp.down_proj.weight": m["w_down"].t(),
         }
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+def mixtral_to_hf(params: dict, cfg: mixtral.Config) -> dict[str, torch.Tensor]:
+    """A ``MixtralForCausalLM`` checkpoint (the Hub's per-expert layout) from fxmega params."""
+    sd = _llama_outer_to_hf(params)
+    for i, b in enumerate(params["blocks"]):
+        p, m = f"model.layers.{i}", b["moe"]
+        moe = f"{p}.block_sparse_moe"
+        sd |= _llama_block_to_hf(b, p, cfg.d_model) | {f"{moe}.gate.weight": m["router"].t()}
+        for e in range(cfg.moe.n_experts):
+            sd |= {f"{moe}.experts.{e}.w1.weight": m["w_gate"][e].t(), f"{moe}.experts.{e}.w3.weight": m["w_up"][e].t(),
+                   f"{moe}.experts.{e}.w2.weight": m["w_down"][e].t()}
     return {k: v.contiguous() for k, v in sd.items()}

@@ -21,14 +21,24 @@ from fxmega.core import tree
 from fxmega.core.spec import ParamSpec
 
 
-def flops_per_token(specs: tree.Tree, n_layers: int, attention_width: int, seq_len: int) -> int:
-    n = sum(s.numel for s in tree.leaves(specs) if isinstance(s, ParamSpec) and s.axes[0] != "position")
-    return 6 * n + 12 * n_layers * attention_width * seq_len
+def flops_per_token(specs: tree.Tree, n_layers: int, attention_width: int, seq_len: int,
+                    expert_fraction: float = 1.0) -> int:
+    """``6 N + 12 L H Q T`` (Megatron-LM / PaLM): ``N`` the parameters a token passes through
+    (no position table; of experts stacked along ``expert``, the ``expert_fraction`` a token
+    is routed to), ``L`` layers, ``H Q`` the attention width, ``T`` the sequence."""
+    n = 0.0
+    for s in tree.leaves(specs):
+        if isinstance(s, ParamSpec) and s.axes[0] != "position":
+            n += s.numel * (expert_fraction if s.axes[0] == "expert" else 1.0)
+    return round(6 * n) + 12 * n_layers * attention_width * seq_len
 
 
 def model_flops_per_token(specs: tree.Tree, model_cfg: object, seq_len: int) -> int:
-    """``flops_per_token`` for a GPT or Llama config."""
-    return flops_per_token(specs, model_cfg.n_layers, model_cfg.n_heads * model_cfg.head_dim, seq_len)
+    """``flops_per_token`` for a model config; a mixture of experts counts the ``top_k`` of
+    ``n_experts`` each token is routed to."""
+    moe = getattr(model_cfg, "moe", None)
+    fraction = moe.top_k / moe.n_experts if moe is not None and moe.enabled else 1.0
+    return flops_per_token(specs, model_cfg.n_layers, model_cfg.n_heads * model_cfg.head_dim, seq_len, fraction)
 
 
 # Dense peak FLOP/s from NVIDIA's data sheets (SXM parts; no sparsity).

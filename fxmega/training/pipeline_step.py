@@ -33,6 +33,7 @@ from fxmega.core import tree
 from fxmega.core.log import get_logger
 from fxmega.models.pieces import embed_inputs, output_axes, run_pieces
 from fxmega.models.registry import ModelConfig, ModelFamily
+from fxmega.ops import aux_loss
 from fxmega.ops.objectives import Objective, global_count
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import SCHEDULES, SPLIT_BACKWARD, Stage, check_microbatches
@@ -218,7 +219,8 @@ class PipelineStep:
         unscale = None if loss_scale is None else torch.tensor(1.0 / loss_scale, device=self.device)
         for p in self.flat:
             p.grad = None
-        loss = self._run_schedule(micro_batches, train=True) / scale
+        with aux_loss.gradient_scale(self._inv_tokens):  # auxiliary losses (MoE) weigh like the main loss
+            loss = self._run_schedule(micro_batches, train=True) / scale
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.flat]
         for p in self.flat:
             p.grad = None  # the update owns them now

@@ -24,6 +24,7 @@ import torch
 import torch._dynamo
 
 from fxmega.core import tree
+from fxmega.ops import aux_loss
 from fxmega.ops.objectives import global_count
 from fxmega.ops.recompute import backward_phase
 from fxmega.sharding.inspect import aot_eager_backend
@@ -92,7 +93,8 @@ class TrainStep:
                         inv_tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         # The parameters are leaf tensors that require grad, so no requires_grad_() is
         # traced (torch 2.11's dynamo cannot trace it; 2.13's can).
-        loss_sum = self.loss_sum_fn(flat_params, batch)
+        with aux_loss.gradient_scale(inv_tokens):  # auxiliary losses (MoE) weigh like the main loss
+            loss_sum = self.loss_sum_fn(flat_params, batch)
         with backward_phase():
             grads = list(torch.autograd.grad(loss_sum * inv_tokens, flat_params))
         if self.parallel is not None:

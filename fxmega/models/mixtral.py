@@ -1,0 +1,110 @@
+"""Mixture-of-experts Llama: Mixtral (Jiang et al. 2024: every block's MLP replaced by 8
+SwiGLU experts, each token through its top 2), and with ``model.moe`` settings the
+DeepSeek-MoE shape (Dai et al. 2024: many fine-grained experts, shared experts every token
+passes through, the first layers dense) and Qwen-MoE's.
+
+Llama's attention, norms, embedding and head (``fxmega.models.llama``); the feed-forward
+sublayer of block ``i`` is ``fxmega.ops.moe.moe_ffn`` when ``moe.is_moe_layer(i)``, else
+Llama's dense MLP of width ``d_ff``. Architecture only: the balancing terms reach the
+gradient through ``fxmega.ops.aux_loss``, under whatever step differentiates the loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fxmega.core import tree
+from fxmega.core.errors import ConfigError
+from fxmega.models import llama
+from fxmega.models.llama import (  # noqa: F401  (the family's pieces, shared with Llama)
+    EMBED_INPUTS,
+    EMBED_PARAMS,
+    HEAD_PARAMS,
+    POOL_PARAMS,
+    decode_write,
+    embed,
+    final_hidden,
+    head,
+    kv_cache_shape,
+    objective,
+    output_weight,
+    pool,
+)
+from fxmega.ops import layers, moe
+from fxmega.ops.moe import MoE
+from fxmega.sharding.mesh import MeshSpec
+
+
+@dataclass(frozen=True)
+class Config(llama.Config):
+    moe: MoE = field(default_factory=lambda: MoE(n_experts=8, top_k=2))
+
+    def validate(self, prefix: str = "model") -> None:
+        super().validate(prefix)
+        self.moe.validate(f"{prefix}.moe")
+        if not self.moe.enabled:
+            raise ConfigError(f"{prefix}.moe.n_experts=0: a model without experts is a llama; give n_experts >= 1")
+        if self.moe.first_dense_layers >= self.n_layers:
+            raise ConfigError(f"{prefix}.moe.first_dense_layers={self.moe.first_dense_layers} leaves none of the "
+                              f"{self.n_layers} layers with experts")
+
+
+# Each sequence's balancing terms need the whole sequence on one rank: not split over cp yet.
+CONTEXT_PARALLEL = False
+
+
+def check_mesh(cfg: Any, mesh: MeshSpec) -> None:
+    """What experts do not run on yet, refused before anything is built."""
+    for axis, why in (("tp", "the routed experts run on local tensors, not on tensor-parallel DTensors"),
+                      ("cp", "each sequence's balancing terms are computed on the whole sequence")):
+        if mesh.size(axis) > 1:
+            raise ConfigError(f"--mesh {cfg.parallel.mesh}: the mixtral family does not split over {axis} yet "
+                              f"({why}): use the data axes (dp, fsdp, ZeRO) and pp with experts")
+
+
+def param_specs(cfg: Config) -> dict:
+    weight, residual = llama.inits(cfg)
+
+    def feed_forward(i: int) -> dict:
+        if cfg.moe.is_moe_layer(i):
+            return {"moe": moe.param_specs(cfg.moe, cfg.d_model, cfg.d_ff, weight, residual)}
+        return llama.mlp_specs(cfg, cfg.d_ff)
+
+    return llama.specs_with_blocks(cfg, [llama.block_specs(cfg, feed_forward(i)) for i in range(cfg.n_layers)])
+
+
+def feed_forward(p: dict, h: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Experts where the block has them (``p["moe"]``), else the dense MLP."""
+    if "moe" in p:
+        return moe.moe_ffn(p["moe"], h, cfg.moe, valid)
+    return llama.mlp(p["mlp"], h)
+
+
+def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,
+          positions: torch.Tensor | None = None, cache: layers.KV | None = None,
+          write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
+    """One block: Llama's attention, then experts or the dense MLP (``feed_forward``)."""
+    return llama.residual_block(p, x, cfg, feed_forward, valid, positions, cache, write)
+
+
+def forward(params: dict, tokens: torch.Tensor, cfg: Config,
+            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits ``[batch, seq, vocab]`` for ``tokens [batch, seq]``."""
+    x = embed(params, tokens, cfg)
+    for p in params["blocks"]:
+        x = block(p, x, cfg, attention_mask)
+    return head(params, x, cfg)
+
+
+def active_params(cfg: Config) -> int:
+    """Parameters one token passes through: everything but the experts it was not routed to
+    (the embedding row it reads counts whole, as the published "active" figures count it)."""
+    total = sum(s.numel for s in tree.leaves(param_specs(cfg)))
+    f = cfg.moe.expert_width(cfg.d_ff)
+    idle = cfg.moe.n_experts - cfg.moe.top_k
+    moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
+    return total - moe_layers * idle * 3 * cfg.d_model * f
+

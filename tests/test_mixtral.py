@@ -1,0 +1,102 @@
+"""The mixture-of-experts family (``fxmega.models.mixtral``): published sizes, and a training
+step whose gradient holds the balancing terms, weighted so that the run does not depend on
+how the global batch is split into micro batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxmega.config import load, override
+from fxmega.core import tree
+from fxmega.core.errors import ConfigError
+from fxmega.models import mixtral
+from fxmega.sharding.mesh import MeshSpec, check_model_mesh
+from fxmega.training.run import Run
+from tests.multirank import run_ranks
+from tests.parity import assert_gradients_match, assert_matches_one_device, record
+from tests.sharding_workers import ROOT, tiny_config, train
+from tests.tolerance import assert_losses_match
+
+
+@pytest.mark.parametrize("name,total,active", [
+    ("mixtral_8x7b", 46.7e9, 12.9e9),  # Jiang et al. 2024, Section 2
+    ("deepseek_moe_16b", 16.4e9, 2.8e9),  # Dai et al. 2024, DeepSeekMoE 16B
+])
+def test_published_sizes(name, total, active):
+    cfg = load(ROOT / "configs" / f"{name}.py").model
+    cfg.validate()
+    got = sum(s.numel for s in tree.leaves(mixtral.param_specs(cfg)))
+    # the papers print one decimal of billions
+    assert abs(got - total) < 0.05e9 and abs(mixtral.active_params(cfg) - active) < 0.05e9
+
+
+def _moe_config(*extra: str):
+    return override(load(ROOT / "configs" / "tiny_moe.py"),
+                    ["train.device=cpu", "train.compile_backend=aot_eager", "optim.clip_grad=100", *extra])
+
+
+def test_micro_batches_do_not_change_the_run():
+    """Balancing terms per sequence, scaled like the main loss: one micro batch of 8 and four
+    of 2 give the same losses, gradient norms and first-step gradients; without the terms the
+    gradient differs, so they are in it."""
+    whole = _moe_config("train.micro_batch_size=8")  # compiled (aot_eager): the step's graph holds the terms
+    split = _moe_config("train.micro_batch_size=2", "train.compile=false")  # eager: seconds, not a compile
+    want = record(Run(whole), 2)
+    got = record(Run(split), 2)
+    assert_losses_match(got["losses"], want["losses"], whole, "loss")
+    assert_losses_match(got["grad_norms"], want["grad_norms"], whole, "grad norm")
+    assert_gradients_match(got["first_moment"], want["first_moment"], whole, "micro batches of 2")
+    bare = record(Run(_moe_config("train.micro_batch_size=8", "train.compile=false", "model.moe.aux_loss_coeff=0",
+                                  "model.moe.z_loss_coeff=0")), 1)
+    router = "blocks.0.moe.router"
+    diff = float((bare["first_moment"][router] - want["first_moment"][router]).abs().max())
+    assert diff > 1e-4 * float(want["first_moment"][router].abs().max()), diff
+    assert want["losses"][0] == pytest.approx(bare["losses"][0])  # the terms are in the gradient, not the loss
+
+
+def test_capacity_mode_trains_and_matches_dropless_with_room():
+    # capacity factor E / k: every expert can take every token of a sequence, so none is dropped
+    roomy = record(Run(_moe_config("model.moe.capacity_factor=2.0", "train.compile=false")), 2)
+    dropless = record(Run(_moe_config("train.compile=false")), 2)
+    cfg = _moe_config()
+    assert_losses_match(roomy["losses"], dropless["losses"], cfg, "loss")
+    assert_gradients_match(roomy["first_moment"], dropless["first_moment"], cfg, "capacity 2.0")
+
+
+def test_refusals():
+    with pytest.raises(ConfigError, match="model.moe.n_experts=0: a model without experts is a llama"):
+        _moe_config("model.moe.n_experts=0").validate()
+    with pytest.raises(ConfigError, match="first_dense_layers=2 leaves none of the 2 layers"):
+        _moe_config("model.moe.first_dense_layers=2").validate()
+    for mesh, axis in (("dp=2,tp=2", "tp"), ("cp=2", "cp")):
+        with pytest.raises(ConfigError, match=f"--mesh {mesh}: the mixtral family does not split over {axis} yet"):
+            check_model_mesh(_moe_config(f"parallel.mesh={mesh}"), MeshSpec.parse(mesh), mixtral)
+
+
+# ---- meshes equal one device -----------------------------------------------------------------
+# name -> parallel settings on 2 ranks; the tiny MoE with its balancing terms, global batch 8 in
+# micro batches of 4, compiled with aot_eager (the same graph and collectives as inductor)
+MOE_RUNS = {
+    "dp2": dict(mesh="dp=2"),  # each data rank its sequences: the terms summed over dp in the gradient
+    "zero3": dict(mesh="dp=2", rules="zero3"),  # experts' weights sharded and gathered per block
+    "pp2": dict(mesh="pp=2"),  # each stage injects its own blocks' terms
+}
+MOE_STEPS = 2
+
+
+def _mesh_config(parallel: dict | None = None):
+    return tiny_config(parallel, model="tiny_moe", extra=("train.compile_backend=aot_eager",))
+
+
+def moe_runs(names: list[str]) -> dict | None:
+    out = {name: train(_mesh_config(MOE_RUNS[name]), MOE_STEPS, collectives=False)[1] for name in names}
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.mark.slow
+def test_moe_meshes_match_one_device():
+    want = record(Run(_mesh_config()), MOE_STEPS)
+    got = run_ranks(2, "tests.test_mixtral:moe_runs", list(MOE_RUNS))[0]
+    for name in MOE_RUNS:
+        assert_matches_one_device(got[name], want, _mesh_config(), name)
