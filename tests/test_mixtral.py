@@ -64,6 +64,32 @@ def test_capacity_mode_trains_and_matches_dropless_with_room():
     assert_gradients_match(roomy["first_moment"], dropless["first_moment"], cfg, "capacity 2.0")
 
 
+BIAS = ("model.moe.score=sigmoid", "model.moe.expert_bias=true", "model.moe.bias_update_rate=0.01")
+
+
+def test_expert_bias_moves_by_the_load_outside_adamw():
+    """DeepSeek-V3's bias: zero at step 1, so the step's gradient norm is the bias-free run's
+    (its load is not a gradient); then each entry moves by exactly +-rate or 0, the same
+    whether the global batch's loads were counted in one micro batch or summed over four,
+    AdamW leaves its moments at zero, and step 2 (routed with the bias) agrees too."""
+    plain = record(Run(_moe_config(*BIAS[:1], "train.compile=false")), 1)
+    whole = Run(_moe_config(*BIAS, "train.micro_batch_size=8"))  # compiled: the carried load in the graph
+    split = Run(_moe_config(*BIAS, "train.micro_batch_size=2", "train.compile=false"))
+    got, got_split = record(whole, 1), record(split, 1)
+    cfg = _moe_config()
+    assert_losses_match(got["grad_norms"], plain["grad_norms"], cfg, "grad norm with a zero bias")
+    for i in range(2):
+        bias = got["params"][f"blocks.{i}.moe.expert_bias"]
+        # +-0.01 or 0; a sum of counts is exact in fp32, so both runs move it identically
+        assert set((bias / 0.01).round().tolist()) <= {-1.0, 0.0, 1.0} and bias.abs().sum() > 0, bias
+        assert torch.allclose(bias, (bias / 0.01).round() * 0.01, rtol=0, atol=1e-9)
+        assert torch.equal(bias, got_split["params"][f"blocks.{i}.moe.expert_bias"])
+        assert not whole.full_opt_state("exp_avg")["blocks"][i]["moe"]["expert_bias"].any()
+    second, second_split = record(whole, 1), record(split, 1)
+    assert_losses_match(second["losses"] + second["grad_norms"], second_split["losses"] + second_split["grad_norms"],
+                        cfg, "step 2, routed with the bias")
+
+
 def test_refusals():
     with pytest.raises(ConfigError, match="model.moe.n_experts=0: a model without experts is a llama"):
         _moe_config("model.moe.n_experts=0").validate()
@@ -75,8 +101,9 @@ def test_refusals():
 
 
 # ---- meshes equal one device -----------------------------------------------------------------
-# name -> parallel settings on 2 ranks; the tiny MoE with its balancing terms, global batch 8 in
-# micro batches of 4, compiled with aot_eager (the same graph and collectives as inductor)
+# name -> parallel settings on 2 ranks; the tiny MoE with its balancing terms and a sigmoid
+# router with DeepSeek-V3's expert bias, global batch 8 in micro batches of 4, compiled with
+# aot_eager (the same graph and collectives as inductor)
 MOE_RUNS = {
     "dp2": dict(mesh="dp=2"),  # each data rank its sequences: the terms summed over dp in the gradient
     "zero3": dict(mesh="dp=2", rules="zero3"),  # experts' weights sharded and gathered per block
@@ -86,7 +113,7 @@ MOE_STEPS = 2
 
 
 def _mesh_config(parallel: dict | None = None):
-    return tiny_config(parallel, model="tiny_moe", extra=("train.compile_backend=aot_eager",))
+    return tiny_config(parallel, model="tiny_moe", extra=("train.compile_backend=aot_eager", *BIAS))
 
 
 def moe_runs(names: list[str]) -> dict | None:

@@ -40,6 +40,10 @@ class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str, ...]
     init: Init
+    # 0: trained by AdamW. Else not trained on a loss: its "gradient" is a count the forward
+    # reports (tokens per expert) and the update moves it by sign_rate x sign(mean - count)
+    # (DeepSeek-V3's auxiliary-loss-free expert bias)
+    sign_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.shape) != len(self.axes):

@@ -57,6 +57,28 @@ class _Attach(torch.autograd.Function):
         return grad, scale.to(ctx.aux_dtype).reshape(()), None
 
 
+class _Carry(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(value)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        (value,) = ctx.saved_tensors
+        return grad, value, None
+
+
+def carry(x: torch.Tensor, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``x``, handing ``value`` (shaped like ``param``) to the backward as ``param``'s
+    gradient, unscaled, when a step's scale is set: how a count the forward observes (tokens
+    per expert) reaches a parameter updated from counts rather than a loss (``ParamSpec.
+    sign_rate``), summed over micro batches and data ranks by the gradient reduction itself."""
+    if _SCALE[0] is None or not torch.is_grad_enabled():
+        return x
+    return _Carry.apply(x, param, value.to(param.dtype))
+
+
 def attach(x: torch.Tensor, aux_sum: torch.Tensor) -> torch.Tensor:
     """``x``, carrying ``aux_sum`` (a 0-dim sum, fp32 or wider) into the backward when a scale is set."""
     scale = _SCALE[0]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from fxmega.core.errors import ConfigError
-from fxmega.core.spec import Init, ParamSpec
+from fxmega.core.spec import ZEROS, Init, ParamSpec
 from fxmega.ops import aux_loss, experts, routing
 
 
@@ -39,6 +39,8 @@ class MoE:
     capacity_factor: float = 0.0  # 0: dropless; else each expert holds factor * T k / E tokens of a sequence
     aux_loss_coeff: float = 0.0  # the load-balancing loss per layer (Mixtral as trained by HF: 0.02)
     z_loss_coeff: float = 0.0  # the router z-loss per layer (ST-MoE: 1e-3)
+    expert_bias: bool = False  # DeepSeek-V3's auxiliary-loss-free balancing: a selection bias per expert ...
+    bias_update_rate: float = 1e-3  # ... moved this much per step toward the mean load (DeepSeek-V3: 0.001)
 
     @property
     def enabled(self) -> bool:
@@ -65,7 +67,7 @@ class MoE:
             raise ConfigError(f"{prefix}: the {self.topk_groups} best groups hold {eligible} experts, fewer "
                               f"than top_k={self.top_k}: raise topk_groups")
         for name in ("d_expert", "n_shared_experts", "first_dense_layers", "capacity_factor", "aux_loss_coeff",
-                     "z_loss_coeff"):
+                     "z_loss_coeff", "bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{prefix}.{name}={getattr(self, name)} must not be negative")
         if self.route_scale <= 0:
@@ -85,7 +87,8 @@ def swiglu(p: dict, x: torch.Tensor) -> torch.Tensor:
 
 def param_specs(moe: MoE, d_model: int, d_ff: int, weight: Init, residual: Init) -> dict:
     """One MoE layer's parameters: the router ``[embed, expert_logits]``, the routed experts'
-    SwiGLU weights stacked along ``expert``, and the shared experts' as one dense SwiGLU."""
+    SwiGLU weights stacked along ``expert``, the shared experts' as one dense SwiGLU, and
+    with ``expert_bias`` the selection bias (zeros; moved by the load, not by AdamW)."""
     d, e, f = d_model, moe.n_experts, moe.expert_width(d_ff)
     out = {
         "router": ParamSpec((d, e), ("embed", "expert_logits"), weight),
@@ -93,6 +96,8 @@ def param_specs(moe: MoE, d_model: int, d_ff: int, weight: Init, residual: Init)
         "w_up": ParamSpec((e, d, f), ("expert", "embed", "mlp"), weight),
         "w_down": ParamSpec((e, f, d), ("expert", "mlp", "embed"), residual),
     }
+    if moe.expert_bias:
+        out["expert_bias"] = ParamSpec((e,), ("expert_logits",), ZEROS, sign_rate=moe.bias_update_rate)
     if moe.n_shared_experts:
         fs = moe.n_shared_experts * f
         out["shared"] = {
@@ -108,10 +113,12 @@ def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = Non
     token, 0 for padding) keeps padding out of the balancing terms. Under a training step's
     ``aux_loss.gradient_scale`` the balancing terms join the gradient: per sequence,
     ``aux_loss_coeff x balancing + z_loss_coeff x z``, counted once per token of the sequence
-    (so that with the main loss's ``1 / tokens`` it is their mean over sequences)."""
+    (so that with the main loss's ``1 / tokens`` it is their mean over sequences). An
+    ``expert_bias`` shifts the selection, and receives the tokens per expert as its gradient."""
     b, s, d = x.shape
     flat = x.reshape(b * s, d)
-    r = routing.route(flat, p["router"], moe)
+    bias = p.get("expert_bias")
+    r = routing.route(flat, p["router"], moe, None if bias is None else bias.detach())
     if moe.capacity_factor:
         rows = experts.capacity(s, moe.top_k, moe.n_experts, moe.capacity_factor)
         y = experts.with_capacity(x, r.experts.view(b, s, -1), r.weights.view(b, s, -1), p["w_gate"], p["w_up"],
@@ -120,6 +127,8 @@ def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = Non
         y = experts.dropless(flat, r.experts, r.weights, p["w_gate"], p["w_up"], p["w_down"]).out.view(b, s, d)
     if "shared" in p:
         y = y + swiglu(p["shared"], x)
+    if bias is not None:  # the bias's "gradient": this micro batch's tokens per expert
+        y = aux_loss.carry(y, bias, routing.expert_counts(r.experts.view(b, s, -1), moe.n_experts, valid).sum(0))
     if moe.aux_loss_coeff or moe.z_loss_coeff:
         per_sequence = r.probs.new_zeros(b)
         if moe.aux_loss_coeff:

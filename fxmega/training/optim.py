@@ -85,6 +85,15 @@ def clip_by_global_norm_(grads: list[torch.Tensor], max_norm: float, weights: to
     return norm
 
 
+def sign_update_(params: list[torch.Tensor], loads: list[torch.Tensor], rates: list[float],
+                 apply: torch.Tensor) -> None:
+    """Move each parameter by ``rate x sign(mean(load) - load)`` where ``apply`` is 1: up
+    where its load is below the mean, down where above (DeepSeek-V3's expert-bias update;
+    a positive scale of ``load`` changes nothing, so clipping and loss scaling do not matter)."""
+    for p, load, rate in zip(params, loads, rates):
+        p.add_(torch.sign(load.mean() - load) * (rate * apply))
+
+
 def adamw_update(params: list[torch.Tensor], grads: list[torch.Tensor], state: dict,
                  lr: torch.Tensor, hp: AdamWHyper, decay: list[bool],
                  apply: torch.Tensor | None = None) -> tuple[list[torch.Tensor], dict]:

@@ -74,7 +74,7 @@ class PipelineStep:
                  decay: list[bool],
                  hyper: AdamWHyper,
                  clip_grad: float, n_micro: int, compile: bool, device: torch.device,
-                 backend: str = "inductor", options: dict | None = None) -> None:
+                 backend: str = "inductor", options: dict | None = None, sign_rates: tuple[float, ...] = ()) -> None:
         plan, pipe = par.plan, par.plan.pipeline
         check_microbatches(pipe.schedule, n_micro, pipe.pp, pipe.virtual)
         self.par, self.cfg, self.model, self.objective, self.pipe = par, cfg, model, objective, pipe
@@ -82,7 +82,7 @@ class PipelineStep:
         self._head_inputs = tuple(getattr(model, "HEAD_INPUTS", ()))
         self._objective_now = objective  # what ``_loss_fn`` takes (eval may ask for another)
         self._target_keys: list[tuple[str, torch.dtype]] = []  # what the packed target holds, in order
-        self.update, self.device = Update(hyper, decay, clip_grad), device
+        self.update, self.device = Update(hyper, decay, clip_grad, sign_rates), device
         self.flat = tree.leaves(params)
         self.compiled = compile
         self.compiled_stages = compile and pipe.schedule not in SPLIT_BACKWARD

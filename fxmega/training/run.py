@@ -101,6 +101,7 @@ class Run:
         self.pipelined = parallel is not None and parallel.plan.pipeline is not None
         hyper = AdamWHyper(cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay)
         decay = decay_mask(self.local_specs, cfg.optim.decay_embeddings)
+        sign_rates = tuple(s.sign_rate for s in tree.leaves(self.local_specs))  # MoE expert biases: see Update
         if parallel is None:
             params = trainable(init_params(self.specs, t.seed, self.device))
             opt_state = adamw_init(tree.leaves(params))
@@ -119,12 +120,14 @@ class Run:
             self.train_step = PipelineStep(parallel, cfg.model, self.model, self.model.objective(cfg.model),
                                            self.params, decay, hyper,
                                            cfg.optim.clip_grad, cfg.grad_accum_steps(data_size), t.compile,
-                                           self.device, backend=t.compile_backend, options=options)
+                                           self.device, backend=t.compile_backend, options=options,
+                                           sign_rates=sign_rates)
             self.eval_step = None
         else:
             self.loss_sum = loss_sum  # (flat params, batch) -> summed loss: what the steps differentiate
             self.train_step = TrainStep(loss_sum, decay, hyper, cfg.optim.clip_grad, compile=t.compile,
-                                        parallel=parallel, backend=t.compile_backend, options=options)
+                                        parallel=parallel, backend=t.compile_backend, options=options,
+                                        sign_rates=sign_rates)
             self.eval_step = EvalStep(loss_sum, compile=t.compile, backend=t.compile_backend)
         self._local_paths = tree.paths(self.local_specs)  # what a non-finite report names
         self._rank = 0 if parallel is None else parallel.rank

@@ -74,9 +74,9 @@ class TrainStep:
 
     def __init__(self, loss_sum_fn: LossSumFn, decay: list[bool], hyper: AdamWHyper, clip_grad: float,
                  compile: bool = True, parallel: Parallel | None = None, backend: str = "inductor",
-                 options: dict | None = None) -> None:
+                 options: dict | None = None, sign_rates: tuple[float, ...] = ()) -> None:
         self.loss_sum_fn = loss_sum_fn
-        self.update = Update(hyper, decay, clip_grad)
+        self.update = Update(hyper, decay, clip_grad, sign_rates)
         self.parallel = parallel
         self.compiled = compile
         self._accum_buffers: list[torch.Tensor] | None = None

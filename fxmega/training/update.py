@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fxmega.sharding.runtime import Parallel
-from fxmega.training.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms
+from fxmega.training.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms, sign_update_
 
 Grads = list[torch.Tensor]
 
@@ -25,11 +25,14 @@ Grads = list[torch.Tensor]
 @dataclass(frozen=True)
 class Update:
     """AdamW with its hyper-parameters, weight-decay mask (per flat parameter) and the
-    global-norm clip (0: none)."""
+    global-norm clip (0: none). ``sign_rates`` (per flat parameter, empty: all 0): a
+    parameter with a rate is not trained by AdamW; its gradient is a load count, out of the
+    norm, and ``optim.sign_update_`` moves it (``ParamSpec.sign_rate``)."""
 
     hyper: AdamWHyper
     decay: list[bool]
     clip_grad: float
+    sign_rates: tuple[float, ...] = ()
 
     def __call__(self, flat: list[torch.Tensor], grads: Grads, opt_state: dict, lr: torch.Tensor,
                  parallel: Parallel | None = None, norm_weights: torch.Tensor | None = None,
@@ -50,11 +53,16 @@ class Update:
                 grads = reduce_shared(grads)
             if unscale is not None:  # fp16: the gradients of the scaled loss, back to true size
                 grads = torch._foreach_mul(grads, unscale)
+            counted = [i for i, rate in enumerate(self.sign_rates) if rate]
+            loads = [grads[i] for i in counted]
+            if counted:  # AdamW sees zeros there: its moments and the parameter stay put
+                grads = [torch.zeros_like(g) if i in counted else g for i, g in enumerate(grads)]
             norms = per_tensor_norms(grads)
             grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights,
                                              parallel.groups.sum_over_world if parallel is not None else None, norms)
             finite = torch.isfinite(grad_norm)  # not finite anywhere: the update is not applied
             adamw_update(targets, grads, opt_state, lr, self.hyper, self.decay, apply=finite.float())
+            sign_update_([targets[i] for i in counted], loads, [self.sign_rates[i] for i in counted], finite.float())
             if parallel is not None:
                 parallel.grads.refresh_params(flat, targets)
         return [grad_norm, finite, ~torch.isfinite(norms)]
