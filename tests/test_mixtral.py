@@ -64,6 +64,16 @@ def test_capacity_mode_trains_and_matches_dropless_with_room():
     assert_gradients_match(roomy["first_moment"], dropless["first_moment"], cfg, "capacity 2.0")
 
 
+def test_recompute_keeps_the_balancing_terms():
+    """Full recompute re-runs each block in the backward: the terms ride on its output once,
+    in one backward region (the compiled step's recompute pass refuses disjoint ones)."""
+    cfg = _moe_config()
+    plain = record(Run(_moe_config("train.compile=false")), 1)
+    again = record(Run(_moe_config("compute.recompute=full")), 1)
+    assert_losses_match(again["grad_norms"], plain["grad_norms"], cfg, "grad norm")
+    assert_gradients_match(again["first_moment"], plain["first_moment"], cfg, "full recompute")
+
+
 BIAS = ("model.moe.score=sigmoid", "model.moe.expert_bias=true", "model.moe.bias_update_rate=0.01")
 
 

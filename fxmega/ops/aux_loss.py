@@ -26,6 +26,8 @@ from contextlib import contextmanager
 
 import torch
 
+from fxmega.ops.recompute import backward_phase
+
 _SCALE: list[torch.Tensor | None] = [None]
 
 
@@ -53,8 +55,9 @@ class _Attach(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        (scale,) = ctx.saved_tensors
-        return grad, scale.to(ctx.aux_dtype).reshape(()), None
+        with backward_phase():  # one backward region with the step's other custom backwards
+            (scale,) = ctx.saved_tensors
+            return grad, scale.to(ctx.aux_dtype).reshape(()), None
 
 
 class _Carry(torch.autograd.Function):
@@ -65,8 +68,9 @@ class _Carry(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        (value,) = ctx.saved_tensors
-        return grad, value, None
+        with backward_phase():
+            (value,) = ctx.saved_tensors
+            return grad, value, None
 
 
 def carry(x: torch.Tensor, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
