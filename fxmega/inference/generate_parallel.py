@@ -64,9 +64,9 @@ class DecodeLayout:
         return self.layouts.constrain(x, self._whole_seq(axes))
 
     def local(self, fn: Callable[..., Any], in_axes: tuple[tuple[str | None, ...] | None, ...],
-              out_axes: tuple[str | None, ...]) -> Callable[..., Any]:
+              out_axes: tuple[str | None, ...], partial: bool = False) -> Callable[..., Any]:
         in_axes = tuple(None if a is None else self._whole_seq(a) for a in in_axes)
-        return self.layouts.local(fn, in_axes, self._whole_seq(out_axes))
+        return self.layouts.local(fn, in_axes, self._whole_seq(out_axes), partial)
 
 
 def decode_params(parallel: Parallel, params: tree.Tree) -> tree.Tree:

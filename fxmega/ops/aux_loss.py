@@ -27,6 +27,7 @@ from contextlib import contextmanager
 import torch
 
 from fxmega.ops.recompute import backward_phase
+from fxmega.sharding.layout import shard
 
 _SCALE: list[torch.Tensor | None] = [None]
 
@@ -88,4 +89,4 @@ def attach(x: torch.Tensor, aux_sum: torch.Tensor) -> torch.Tensor:
     scale = _SCALE[0]
     if scale is None or not torch.is_grad_enabled():
         return x
-    return _Attach.apply(x, aux_sum, scale)
+    return _Attach.apply(x, aux_sum, shard(scale))  # shard: replicated over tp, like aux_sum

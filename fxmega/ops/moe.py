@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from fxmega.core.errors import ConfigError
 from fxmega.core.spec import ZEROS, Init, ParamSpec
 from fxmega.ops import aux_loss, experts, routing
+from fxmega.sharding.layout import local
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,22 @@ def param_specs(moe: MoE, d_model: int, d_ff: int, weight: Init, residual: Init)
     return out
 
 
+EXPERT_IN = ("expert", "embed", "mlp")  # w_gate, w_up
+EXPERT_OUT = ("expert", "mlp", "embed")  # w_down
+
+
+def _routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
+                    w_up: torch.Tensor, w_down: torch.Tensor, capacity_rows: int, sequences: int) -> torch.Tensor:
+    """The routed experts' weighted output for ``x [T, d]``: dropless, or with
+    ``capacity_rows`` per expert and sequence (``sequences`` of ``T / sequences`` tokens)."""
+    if not capacity_rows:
+        return experts.dropless(x, chosen, weights, w_gate, w_up, w_down).out
+    t, d = x.shape
+    grouped = experts.with_capacity(x.view(sequences, -1, d), chosen.view(sequences, t // sequences, -1),
+                                    weights.view(sequences, t // sequences, -1), w_gate, w_up, w_down, capacity_rows)
+    return grouped.out.reshape(t, d)
+
+
 def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE feed-forward layer on ``x [batch, seq, d]``; ``valid [batch, seq]`` (1 for a
     token, 0 for padding) keeps padding out of the balancing terms. Under a training step's
@@ -119,12 +136,12 @@ def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = Non
     flat = x.reshape(b * s, d)
     bias = p.get("expert_bias")
     r = routing.route(flat, p["router"], moe, None if bias is None else bias.detach())
-    if moe.capacity_factor:
-        rows = experts.capacity(s, moe.top_k, moe.n_experts, moe.capacity_factor)
-        y = experts.with_capacity(x, r.experts.view(b, s, -1), r.weights.view(b, s, -1), p["w_gate"], p["w_up"],
-                                  p["w_down"], rows).out
-    else:
-        y = experts.dropless(flat, r.experts, r.weights, p["w_gate"], p["w_up"], p["w_down"]).out.view(b, s, d)
+    rows = experts.capacity(s, moe.top_k, moe.n_experts, moe.capacity_factor) if moe.capacity_factor else 0
+    # the experts on each rank's slice of their hidden width (tensor parallelism), everything
+    # else read whole: a partial sum, reduced by the block's next shard()
+    run = local(_routed_experts, ((None, "embed"), (None, None), (None, None), EXPERT_IN, EXPERT_IN, EXPERT_OUT,
+                                  None, None), (None, "embed"), partial=True)
+    y = run(flat, r.experts, r.weights, p["w_gate"], p["w_up"], p["w_down"], rows, b).view(b, s, d)
     if "shared" in p:
         y = y + swiglu(p["shared"], x)
     if bias is not None:  # the bias's "gradient": this micro batch's tokens per expert
@@ -135,5 +152,5 @@ def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = Non
             per_sequence = per_sequence + moe.aux_loss_coeff * routing.balancing_loss(r, b, moe, valid)
         if moe.z_loss_coeff:
             per_sequence = per_sequence + moe.z_loss_coeff * routing.z_loss(r, b, valid)
-        y = aux_loss.attach(y, (per_sequence * routing.sequence_tokens(s, b, valid, x.device).to(per_sequence)).sum())
+        y = aux_loss.attach(y, (per_sequence * routing.sequence_tokens(s, b, valid, per_sequence)).sum())
     return y

@@ -76,7 +76,8 @@ def _best_groups_only(choice: torch.Tensor, router: RouterSettings) -> torch.Ten
 def expert_counts(experts: torch.Tensor, n_experts: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """How many of the tokens (rows of ``experts [..., T, k]``) each expert received,
     ``[..., E]`` in fp32; rows where ``valid [..., T]`` is 0 are not counted."""
-    one_hot = torch.zeros(*experts.shape[:-1], n_experts, device=experts.device)
+    # new_zeros / ones_like: DTensors stay DTensors (routing runs on tp-replicated activations)
+    one_hot = experts.new_zeros((*experts.shape[:-1], n_experts), dtype=torch.float32)
     one_hot = one_hot.scatter_add(-1, experts, torch.ones_like(experts, dtype=torch.float32))
     if valid is not None:
         one_hot = one_hot * valid.unsqueeze(-1).float()
@@ -97,7 +98,7 @@ def balancing_loss(routing: Routing, batch: int, router: RouterSettings,
     counts = expert_counts(routing.experts.view(batch, -1, k), e, valid)
     if valid is not None:
         probs = probs * valid.unsqueeze(-1).float()
-    tokens = sequence_tokens(probs.shape[1], batch, valid, probs.device)
+    tokens = sequence_tokens(probs.shape[1], batch, valid, probs)
     return (counts * probs.sum(1)).sum(-1) * e / (k * tokens.clamp(min=1) ** 2)
 
 
@@ -108,14 +109,15 @@ def z_loss(routing: Routing, batch: int, valid: torch.Tensor | None = None) -> t
     z = torch.logsumexp(routing.logits, dim=-1).square().view(batch, -1)
     if valid is not None:
         z = z * valid.float()
-    return z.sum(-1) / sequence_tokens(z.shape[1], batch, valid, z.device).clamp(min=1)
+    return z.sum(-1) / sequence_tokens(z.shape[1], batch, valid, z).clamp(min=1)
 
 
-def sequence_tokens(length: int, batch: int, valid: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """The counted tokens of each sequence, ``[batch]`` fp32: those ``valid`` marks, else all."""
+def sequence_tokens(length: int, batch: int, valid: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """The counted tokens of each sequence, ``[batch]`` in ``like``'s dtype: those ``valid``
+    marks, else all (``like`` keeps a DTensor a DTensor)."""
     if valid is None:
-        return torch.full((batch,), float(length), device=device)
-    return valid.float().sum(-1)
+        return like.new_full((batch,), float(length))
+    return valid.to(like.dtype).sum(-1)
 
 
 def bias_update(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import local_map
 
 from fxmega.sharding.context import ContextParallel
@@ -49,11 +49,17 @@ class ActivationLayouts:
             x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
         return x.redistribute(self.mesh, target)
 
-    def local(self, fn: Callable[..., Any], in_axes: tuple[Axes | None, ...], out_axes: Axes) -> Callable[..., Any]:
+    def local(self, fn: Callable[..., Any], in_axes: tuple[Axes | None, ...], out_axes: Axes,
+              partial: bool = False) -> Callable[..., Any]:
         if self.mesh is None:
             return fn
         in_placements = tuple(None if a is None else self.placement(a) for a in in_axes)
-        return local_map(fn, out_placements=self.placement(out_axes), in_placements=in_placements,
+        if not partial:
+            return local_map(fn, out_placements=self.placement(out_axes), in_placements=in_placements,
+                             device_mesh=self.mesh)
+        # each rank's result and the gradients of the inputs it read whole are partial sums
+        in_grads = tuple(None if p is None else [Partial()] if p == [Replicate()] else p for p in in_placements)
+        return local_map(fn, out_placements=[Partial()], in_placements=in_placements, in_grad_placements=in_grads,
                          device_mesh=self.mesh)
 
     def wrap(self, local: torch.Tensor, axes: Axes | None) -> torch.Tensor:

@@ -26,7 +26,7 @@ class ActivationLayout(Protocol):
     def constrain(self, x: Any, axes: tuple[str | None, ...]) -> Any: ...
 
     def local(self, fn: Callable[..., Any], in_axes: tuple[tuple[str | None, ...] | None, ...],
-              out_axes: tuple[str | None, ...]) -> Callable[..., Any]: ...
+              out_axes: tuple[str | None, ...], partial: bool = False) -> Callable[..., Any]: ...
 
 
 _active: ActivationLayout | None = None
@@ -57,13 +57,17 @@ def shard(x: torch.Tensor, *axes: str | None) -> torch.Tensor:
 
 
 def local(fn: Callable[..., Any], in_axes: tuple[tuple[str | None, ...] | None, ...],
-          out_axes: tuple[str | None, ...]) -> Callable[..., Any]:
+          out_axes: tuple[str | None, ...], partial: bool = False) -> Callable[..., Any]:
     """``fn`` run on each rank's local shards (like ``jax.shard_map`` with logical names).
 
     ``in_axes`` names the dims of each tensor argument (``None`` for non-tensor arguments)
     and ``out_axes`` those of the single tensor result. ``fn`` must be correct on any shard
     of those axes: e.g. attention is, when batch and heads are split but seq is whole.
+
+    ``partial``: ``fn`` contracts over a split dim (a row-parallel product, experts split
+    along their hidden width), so each rank's result is a partial sum, which the next
+    ``shard`` reduces; the gradients of the inputs it reads whole are partial sums too.
     """
     if _active is None:
         return fn
-    return _active.local(fn, in_axes, out_axes)
+    return _active.local(fn, in_axes, out_axes, partial)
