@@ -11,7 +11,10 @@ from fxmega.config import load, override
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.models import mixtral
+from fxmega.planning.report import estimate_plan
+from fxmega.planning.summary import summary
 from fxmega.sharding.mesh import MeshSpec, check_model_mesh
+from fxmega.sharding.strategy import plan_from
 from fxmega.training.run import Run
 from tests.multirank import run_ranks
 from tests.parity import assert_gradients_match, assert_matches_one_device, record
@@ -29,6 +32,16 @@ def test_published_sizes(name, total, active):
     got = sum(s.numel for s in tree.leaves(mixtral.param_specs(cfg)))
     # the papers print one decimal of billions
     assert abs(got - total) < 0.05e9 and abs(mixtral.active_params(cfg) - active) < 0.05e9
+
+
+def test_summary_shows_dense_and_expert_blocks_and_the_active_count():
+    text = summary(load(ROOT / "configs" / "deepseek_moe_16b.py").model, seq_len=4096)
+    assert "blocks 0-0 (1 x 84,021,248)" in text and "blocks 1-27 (27 x 587,862,016)" in text
+    assert "shared.w_gate [2048, 2816]" in text  # the 2 shared experts as one MLP
+    assert "parameters: 16,375,728,128" in text and "active per token: 2,828,650,496" in text
+    cfg = _moe_config("parallel.mesh=dp=2")
+    with pytest.raises(ConfigError, match="the mixtral family declares no BLOCK_SAVED"):
+        estimate_plan(cfg, plan_from(mixtral.param_specs(cfg.model), cfg.parallel, mixtral))
 
 
 def _moe_config(*extra: str):

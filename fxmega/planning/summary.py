@@ -27,17 +27,34 @@ def check_shapes(model_cfg: object, seq_len: int, batch: int = 1) -> tuple[int, 
     return tuple(logits.shape)
 
 
+def _runs_of_alike_blocks(blocks: list[dict]) -> list[tuple[int, int]]:
+    """``(first, last)`` of each run of consecutive blocks with the same parameter shapes (all
+    of them, or e.g. DeepSeek-MoE's dense first block and its expert blocks)."""
+    def shape_of(b: dict) -> list:
+        return [(p, s.shape) for p, s in tree.items(b)]
+
+    runs: list[tuple[int, int]] = []
+    for i, b in enumerate(blocks):
+        if runs and shape_of(blocks[runs[-1][0]]) == shape_of(b):
+            runs[-1] = (runs[-1][0], i)
+        else:
+            runs.append((i, i))
+    return runs
+
+
 def summary(model_cfg: object, seq_len: int) -> str:
     specs = model_for(model_cfg).param_specs(model_cfg)
     rows: list[tuple[str, int, str]] = []
     for key, sub in specs.items():
         if key == "blocks":
-            per_block = count_params(sub[0])
-            rows.append((f"blocks ({len(sub)} x {per_block:,})", count_params(sub), ""))
-            for name, part in sub[0].items():
-                shapes = ", ".join(f"{p.rsplit('.', 1)[-1]} {list(s.shape)}" for p, s in tree.items({name: part})
-                                   if len(s.shape) > 1)
-                rows.append((f"  {name}", count_params(part), shapes))
+            for first, last in _runs_of_alike_blocks(sub):
+                per_block = count_params(sub[first])
+                which = "blocks" if (first, last) == (0, len(sub) - 1) else f"blocks {first}-{last}"
+                rows.append((f"{which} ({last - first + 1} x {per_block:,})", per_block * (last - first + 1), ""))
+                for name, part in sub[first].items():
+                    shapes = ", ".join(f"{p.split('.', 1)[-1]} {list(s.shape)}" for p, s in tree.items({name: part})
+                                       if len(s.shape) > 1)
+                    rows.append((f"  {name}", count_params(part), shapes))
         else:
             shapes = ", ".join(f"{list(s.shape)} {s.axes}" for s in tree.leaves(sub))
             rows.append((key, count_params(sub), shapes))
@@ -49,6 +66,9 @@ def summary(model_cfg: object, seq_len: int) -> str:
              f"n_heads={model_cfg.n_heads}, vocab_size={model_cfg.vocab_size}"]
     lines += [f"  {name:<{width}}{n:>15,}  {shapes}".rstrip() for name, n, shapes in rows]
     lines.append(f"parameters: {total:,}")
+    active = getattr(model_for(model_cfg), "active_params", None)
+    if active is not None:  # a mixture of experts: what one token passes through
+        lines.append(f"active per token: {active(model_cfg):,}")
     lines.append(f"FLOPs/token at seq_len {seq_len}: {flops:,} (6N + 12*L*H*Q*T; N without position embeddings)")
     lines.append(f"shape check on meta tensors: logits {list(logits)} ok")
     return "\n".join(lines)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxmega.core.errors import ConfigError
-from fxmega.models import model_for
+from fxmega.models import family_name, model_for
 from fxmega.models.census import Saved
 from fxmega.sharding import collectives
 from fxmega.sharding.mesh import DATA_AXES, MeshSpec
@@ -194,8 +194,9 @@ def block_shape(plan: ShardingPlan, model_cfg: Any, tokens: int) -> BlockShape:
             sizes[axis] = min(sizes.get(axis, lay.shape[dim]), lay.shape[dim] // split)
     saved = getattr(model_for(model_cfg), "BLOCK_SAVED", None)
     if saved is None:
-        raise ConfigError(f"model family of {type(model_cfg).__name__} declares no BLOCK_SAVED (what one block keeps "
-                          f"for its backward, fxmega.models.census): the memory estimate needs it")
+        raise ConfigError(f"the {family_name(model_cfg)} family declares no BLOCK_SAVED (what one block keeps for its "
+                          f"backward, fxmega.models.census), which the memory estimate needs: `run.py summary` counts "
+                          f"its parameters")
     heads = sizes.get("heads", model_cfg.n_heads)
     return BlockShape(tuple(saved), tokens, model_cfg.d_model, heads, sizes.get("kv_heads", heads),
                       sizes.get("head_dim", model_cfg.d_model // model_cfg.n_heads), sizes.get("mlp", 0),
