@@ -143,9 +143,10 @@ CP_RUNS = {
     # long-context memory: full recompute and the chunked loss on each rank's chunks
     "llama_cp2_ring_recompute_chunked": ("tiny_llama", dict(mesh="cp=2", cp_attention="ring"), 2,
                                          ("compute.recompute=full", "compute.loss_chunk=256")),
-    # cp=4, all-gather and ring
+    # cp=4 in every mode: all-gather and ring (Llama), a2a (GPT: its 4 heads over 4 ranks)
     "llama_cp4": ("tiny_llama", dict(mesh="cp=4"), 4),
     "llama_cp4_ring": ("tiny_llama", dict(mesh="cp=4", cp_attention="ring"), 4),
+    "gpt_cp4_a2a": ("tiny_gpt", dict(mesh="cp=4", cp_attention="a2a"), 4),
     # composed with the other axes on 4 ranks: dp, fsdp, tp + sp (each attention mode), pp
     "gpt_cp2_dp2": ("tiny_gpt", dict(mesh="dp=2,cp=2"), 4),
     "gpt_cp2_fsdp2": ("tiny_gpt", dict(mesh="fsdp=2,cp=2", rules="fsdp"), 4),
@@ -157,7 +158,7 @@ CP_RUNS = {
 }
 # Left out to keep the suite short, each covered by the runs above: ZeRO-3 next to cp (the
 # fsdp run gathers parameters the same way), a2a with dp and ring with pp (the data and
-# pipeline axes do not see the attention mode), the GPT on cp=4 (the Llama's cp=4 runs).
+# pipeline axes do not see the attention mode), the GPT on cp=4 with all-gather (the Llama's).
 CP_STEPS = 2  # step 1's gradients, and the parameters after step 2
 LONG = ("train.seq_len=1024", "model.max_seq_len=1024", "train.global_batch_size=4", "train.micro_batch_size=2")
 
