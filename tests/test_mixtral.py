@@ -123,9 +123,10 @@ def test_refusals():
 
 
 # ---- meshes equal one device -----------------------------------------------------------------
-# name -> parallel settings on 2 ranks; the tiny MoE with its balancing terms and a sigmoid
-# router with DeepSeek-V3's expert bias, global batch 8 in micro batches of 4, compiled with
-# aot_eager (the same graph and collectives as inductor)
+# name -> parallel settings on 2 ranks; the tiny MoE with its balancing terms, a sigmoid
+# router with DeepSeek-V3's expert bias, a shared expert and a dense first block (DeepSeek's
+# shape), global batch 8 in micro batches of 4, compiled with aot_eager (the same graph and
+# collectives as inductor)
 MOE_RUNS = {
     "dp2": dict(mesh="dp=2"),  # each data rank its sequences: the terms summed over dp in the gradient
     "zero3": dict(mesh="dp=2", rules="zero3"),  # experts' weights sharded and gathered per block
@@ -139,7 +140,9 @@ MOE_STEPS = 2
 
 
 def _mesh_config(parallel: dict | None = None):
-    return tiny_config(parallel, model="tiny_moe", extra=("train.compile_backend=aot_eager", *BIAS))
+    return tiny_config(parallel, model="tiny_moe", extra=("train.compile_backend=aot_eager", *BIAS,
+                                                          "model.moe.n_shared_experts=1",
+                                                          "model.moe.first_dense_layers=1"))
 
 
 def moe_runs(names: list[str]) -> dict | None:

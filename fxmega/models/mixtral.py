@@ -76,10 +76,12 @@ def param_specs(cfg: Config) -> dict:
 
 
 def feed_forward(p: dict, h: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Experts where the block has them (``p["moe"]``), else the dense MLP."""
-    if "moe" in p:
-        return moe.moe_ffn(p["moe"], h, cfg.moe, valid)
-    return llama.mlp(p["mlp"], h)
+    """Experts where the block has them (``p["moe"]``, with its shared experts as Llama's MLP
+    beside them), else the dense MLP."""
+    if "moe" not in p:
+        return llama.mlp(p["mlp"], h)
+    y = moe.moe_ffn(p["moe"], h, cfg.moe, valid)
+    return y + llama.mlp(p["moe"]["shared"], h) if "shared" in p["moe"] else y
 
 
 def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,

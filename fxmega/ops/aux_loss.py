@@ -43,33 +43,17 @@ def gradient_scale(scale: torch.Tensor) -> Iterator[None]:
         _SCALE[0] = previous
 
 
-def active_scale() -> torch.Tensor | None:
-    return _SCALE[0]
-
-
-class _Attach(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, aux_sum: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(scale)
-        ctx.aux_dtype = aux_sum.dtype
-        return x.view_as(x)
+class _GradientInto(torch.autograd.Function):
+    """``x`` unchanged forward; backward, ``value`` becomes ``target``'s gradient."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        with backward_phase():  # one backward region with the step's other custom backwards
-            (scale,) = ctx.saved_tensors
-            return grad, scale.to(ctx.aux_dtype).reshape(()), None
-
-
-class _Carry(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(value)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        with backward_phase():
+        with backward_phase():  # one backward region with the step's other custom backwards
             (value,) = ctx.saved_tensors
             return grad, value, None
 
@@ -81,7 +65,7 @@ def carry(x: torch.Tensor, param: torch.Tensor, value: torch.Tensor) -> torch.Te
     sign_rate``), summed over micro batches and data ranks by the gradient reduction itself."""
     if _SCALE[0] is None or not torch.is_grad_enabled():
         return x
-    return _Carry.apply(x, param, value.to(param.dtype))
+    return _GradientInto.apply(x, param, value.to(param.dtype))
 
 
 def attach(x: torch.Tensor, aux_sum: torch.Tensor) -> torch.Tensor:
@@ -89,4 +73,5 @@ def attach(x: torch.Tensor, aux_sum: torch.Tensor) -> torch.Tensor:
     scale = _SCALE[0]
     if scale is None or not torch.is_grad_enabled():
         return x
-    return _Attach.apply(x, aux_sum, shard(scale))  # shard: replicated over tp, like aux_sum
+    # d(aux_sum x scale)/d(aux_sum) = scale; shard: replicated over tp, like aux_sum
+    return _GradientInto.apply(x, aux_sum, shard(scale).to(aux_sum.dtype).reshape(()))

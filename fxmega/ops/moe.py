@@ -1,6 +1,7 @@
 """A mixture-of-experts feed-forward layer as a pure function: route each token
-(``fxmega.ops.routing``), run its experts (``fxmega.ops.experts``), add the shared experts,
-and attach the balancing terms to the gradient (``fxmega.ops.aux_loss``).
+(``fxmega.ops.routing``), run its experts (``fxmega.ops.experts``) and attach the balancing
+terms to the gradient (``fxmega.ops.aux_loss``). Shared experts are a dense MLP beside it
+(``param_specs`` declares them under ``shared``; the model runs them with its own MLP).
 
 ``MoE`` holds the settings of Mixtral (8 experts, top 2, softmax, no shared experts),
 Qwen3-MoE (fine-grained experts, top 8) and DeepSeek-V3/DeepSeek-MoE (sigmoid scores,
@@ -15,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from fxmega.core.errors import ConfigError
 from fxmega.core.spec import ZEROS, Init, ParamSpec
@@ -81,11 +81,6 @@ class MoE:
         return self.enabled and index >= self.first_dense_layers
 
 
-def swiglu(p: dict, x: torch.Tensor) -> torch.Tensor:
-    """``down(silu(x gate) * x up)`` with ``p``'s ``w_gate``, ``w_up`` ``[d, f]`` and ``w_down [f, d]``."""
-    return (F.silu(x @ p["w_gate"]) * (x @ p["w_up"])) @ p["w_down"]
-
-
 def param_specs(moe: MoE, d_model: int, d_ff: int, weight: Init, residual: Init) -> dict:
     """One MoE layer's parameters: the router ``[embed, expert_logits]``, the routed experts'
     SwiGLU weights stacked along ``expert``, the shared experts' as one dense SwiGLU, and
@@ -142,8 +137,6 @@ def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = Non
     run = local(_routed_experts, ((None, "embed"), (None, None), (None, None), EXPERT_IN, EXPERT_IN, EXPERT_OUT,
                                   None, None), (None, "embed"), partial=True)
     y = run(flat, r.experts, r.weights, p["w_gate"], p["w_up"], p["w_down"], rows, b).view(b, s, d)
-    if "shared" in p:
-        y = y + swiglu(p["shared"], x)
     if bias is not None:  # the bias's "gradient": this micro batch's tokens per expert
         y = aux_loss.carry(y, bias, routing.expert_counts(r.experts.view(b, s, -1), moe.n_experts, valid).sum(0))
     if moe.aux_loss_coeff or moe.z_loss_coeff:

@@ -118,10 +118,3 @@ def sequence_tokens(length: int, batch: int, valid: torch.Tensor | None, like: t
     if valid is None:
         return like.new_full((batch,), float(length))
     return valid.to(like.dtype).sum(-1)
-
-
-def bias_update(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> torch.Tensor:
-    """DeepSeek-V3's auxiliary-loss-free balancing: each expert's selection bias moves by
-    ``rate`` toward balance — down for an expert that got more than the mean load ``counts
-    [E]`` (summed over the whole global batch), up for one that got less."""
-    return bias + rate * torch.sign(counts.mean() - counts)
