@@ -156,3 +156,55 @@ def test_moe_meshes_match_one_device():
     got = run_ranks(2, "tests.test_mixtral:moe_runs", list(MOE_RUNS))[0]
     for name in MOE_RUNS:
         assert_matches_one_device(got[name], want, _mesh_config(), name)
+
+
+# ---- expert parallelism: ep folded over the data ranks ------------------------------------------
+# name -> (ranks, parallel settings, model overrides); the mesh runs' model, global batch 8
+# in micro batches of 2 (up to 4 data ranks)
+EP_RUNS = {
+    # dropless: each expert has room for every token of a sequence, runs on its own rank
+    "ep2": (2, dict(mesh="dp=2,ep=2"), ()),
+    # capacity 1.0 drops pairs: the same ones as on one device (buffers are per sequence)
+    "ep2_capacity": (2, dict(mesh="dp=2,ep=2"), ("model.moe.capacity_factor=1.0",)),
+    # ZeRO-1 over all 4 data ranks for dense state, over the 2 expert-data ranks for experts
+    "ep2_zero1": (4, dict(mesh="dp=4,ep=2", rules="zero1"), ()),
+    "ep4_capacity": (4, dict(mesh="dp=4,ep=4"), ("model.moe.capacity_factor=1.0",)),  # one expert per rank
+    "ep2_tp2": (4, dict(mesh="dp=2,ep=2,tp=2", sequence_parallel=True), ()),  # experts split over ep and tp
+    "ep2_pp2": (4, dict(mesh="dp=2,ep=2,pp=2"), ()),  # each stage's experts over its own ep group
+}
+
+
+def _ep_config(name: str | None = None, *extra: str):
+    return tiny_config(None if name is None else EP_RUNS[name][1], model="tiny_moe",
+                       extra=("train.compile_backend=aot_eager", *BIAS, "model.moe.n_shared_experts=1",
+                              "model.moe.first_dense_layers=1", "train.micro_batch_size=2", *extra))
+
+
+def ep_runs(names: list[str]) -> dict | None:
+    out = {}
+    for name in names:
+        par, result, collectives = train(_ep_config(name, *EP_RUNS[name][2]), MOE_STEPS, collectives=True)
+        # what each rank holds and exchanges (under pp, rank 0's stage has only the dense block)
+        mine = ({lay.local_shape()[0] for lay in par.shards.layouts if lay.ep_dim is not None},
+                {group for graph in collectives for op, group, *_ in graph if "all_to_all" in op})
+        everyone: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+        out[name] = {**result, "expert_rows": set().union(*(e[0] for e in everyone)),
+                     "exchange_groups": set().union(*(e[1] for e in everyone))}
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_expert_parallel_meshes_match_one_device(ranks):
+    names = [n for n, (r, _, _) in EP_RUNS.items() if r == ranks]
+    got = run_ranks(ranks, "tests.test_mixtral:ep_runs", names)[0]
+    wants: dict = {}
+    for name in names:
+        extra = EP_RUNS[name][2]
+        if extra not in wants:
+            wants[extra] = record(Run(_ep_config(None, *extra)), MOE_STEPS)
+        assert_matches_one_device(got[name], wants[extra], _ep_config(None, *extra), name)
+        ep = MeshSpec.parse(EP_RUNS[name][1]["mesh"]).size("ep")
+        assert got[name]["expert_rows"] == {4 // ep}, name  # each rank holds its own experts only ...
+        assert got[name]["exchange_groups"] == {"ep"}, name  # ... reached by all-to-all over ep

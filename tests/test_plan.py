@@ -5,7 +5,8 @@ import pytest
 
 from fxmega.config import ParallelConfig
 from fxmega.core.errors import ConfigError
-from fxmega.models import gpt, llama
+from fxmega.models import gpt, llama, mixtral
+from fxmega.ops.moe import MoE
 from fxmega.sharding.mesh import MeshSpec, check_world_size, parse_mesh
 from fxmega.sharding.plan import make_plan
 from fxmega.sharding.rules import MEGATRON, Strategy, preset
@@ -38,12 +39,48 @@ def test_tp_varies_fastest_then_dp_then_pp():
     ("dp=2,foo=2", "unknown axis 'foo'"),
     ("dp=2,dp=2", "given twice"),
     ("2x2x2x2x2", "gives 5 sizes but the axis order dp x tp x pp x cp names only 4"),
-    ("ep=2", "reserved for expert parallelism"),
+    ("ep=2", r"ep=2 does not divide dp=1; ep is folded over the data ranks.*--mesh dp=2,ep=2"),
+    ("dp=6,ep=4", "ep=4 does not divide dp=6"),
+    ("fsdp=4,ep=2", "ep folds over the dp axis, and fsdp=4 is not folded yet"),
     ("twox2", "is not a whole number"),
 ])
 def test_bad_meshes(text, message):
     with pytest.raises(ConfigError, match=message):
         parse_mesh(text)
+
+
+def test_ep_folds_over_the_data_ranks():
+    # Megatron-Core's parallel folding: ep adds no ranks; dp=4 with ep=2 is 2 expert-data x 2 ep
+    mesh = parse_mesh("dp=4,tp=2,ep=2")
+    assert mesh == MeshSpec.of(dp=2, ep=2, tp=2) and mesh.world_size == 8 and mesh.data_size == 4
+    assert [mesh.data_rank(r) for r in range(0, 8, 2)] == [0, 1, 2, 3]  # every data rank once, tp inside
+    assert [mesh.coords(r)["ep"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # ep neighbours after tp
+    assert mesh.describe() == "dp=4 [ep=2 x expert-data 2] x tp=2 (8 ranks)"
+
+
+def test_experts_split_over_ep_and_the_rest_over_every_data_rank():
+    specs = mixtral.param_specs(mixtral.Config(vocab_size=256, max_seq_len=64, d_model=64, n_layers=2, n_heads=4,
+                                               n_kv_heads=2, d_ff=128, moe=MoE(n_experts=4, top_k=2)))
+    plan = make_plan(specs, parse_mesh("dp=4,ep=2"), preset("zero1"))
+    w = plan.params["blocks.0.moe.w_gate"]
+    assert w.ep_dim == 0 and w.local_shape() == (2, 64, 128) and w.placement_names("param", plan.mesh) == ["R", "S(0)"]
+    assert w.data_axes["opt"] == ("dp",) and w.local_shape("opt") == (2, 32, 128)  # ZeRO over expert-data only
+    assert w.replica_axes(("dp", "ep")) == ()  # summed over ep by the all-to-all's backward, over dp by ZeRO
+    dense = plan.params["blocks.0.attn.wq"]
+    assert dense.data_axes["opt"] == ("dp", "ep") and dense.replica_axes(("dp", "ep")) == ()  # ZeRO over all 4
+    router = plan.params["blocks.0.moe.router"]
+    assert router.ep_dim is None and router.data_axes["opt"] == ("dp", "ep")
+    assert w.placement_names("opt", plan.mesh) == ["S(1)", "S(0)"]
+    with pytest.raises(ConfigError, match=r"ep=2 splits the experts of MoE layers, and no parameter is split over ep"):
+        make_plan(tiny(), parse_mesh("dp=2,ep=2"), preset("megatron"))
+    with pytest.raises(ConfigError, match="3 experts, which ep=2 does not divide"):
+        make_plan(mixtral.param_specs(mixtral.Config(vocab_size=256, max_seq_len=64, d_model=64, n_layers=1, n_heads=4,
+                                                     n_kv_heads=2, d_ff=128, moe=MoE(n_experts=3, top_k=2))),
+                  parse_mesh("dp=2,ep=2"), preset("megatron"))
+    with pytest.raises(ConfigError, match="the ep axis splits the experts of a MoE layer"):
+        make_plan(specs, parse_mesh("dp=2,ep=2"), Strategy({"expert": "tp", "embed": "ep"}))
+    with pytest.raises(ConfigError, match="zero 3 with ep=2 and an expert-data size of 2"):
+        make_plan(specs, parse_mesh("dp=4,ep=2"), preset("zero3"))
 
 
 def test_world_size_mismatch_names_both_numbers_and_a_command():

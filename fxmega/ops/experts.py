@@ -82,14 +82,25 @@ def dropless(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_ga
     return ExpertOutput(out, torch.zeros((), device=x.device))
 
 
-def with_capacity(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
-                  w_up: torch.Tensor, w_down: torch.Tensor, capacity_rows: int) -> ExpertOutput:
-    """``dropless`` with fixed expert buffers of ``capacity_rows`` per group of tokens: ``x
-    [G, T, d]``, ``experts`` and ``weights [G, T, k]``; within each group, pairs over an
-    expert's capacity are dropped (they add nothing to their token's output). A group is a
-    sequence in ``fxmega.ops.moe``, so what is dropped does not depend on the batch split."""
+class Dispatch(NamedTuple):
+    """Tokens placed in fixed expert buffers (``capacity_dispatch``), and how to bring the
+    experts' outputs back to them (``capacity_combine``)."""
+
+    buffers: torch.Tensor  # [E, G * capacity, d]: expert-major, then group, then slot
+    row: torch.Tensor  # [G * k * T]: each pair's buffer row (the spare row E * G * capacity if dropped)
+    token: torch.Tensor  # [G * k * T]: each pair's token, over the G * T tokens
+    gate: torch.Tensor  # [G * k * T]: each pair's routing weight, 0 where dropped
+    dropped: torch.Tensor  # 0-dim fp32: pairs over capacity
+
+
+def capacity_dispatch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, n_experts: int,
+                      capacity_rows: int) -> Dispatch:
+    """``x [G, T, d]``'s tokens into ``n_experts`` buffers of ``capacity_rows`` per group:
+    within each group a (token, expert) pair goes in if its expert still has room (first
+    choices of every token, then second choices, ... in token order, as GShard), else it
+    is dropped. ``experts``, ``weights [G, T, k]``."""
     g, t, k = experts.shape
-    n_experts, d = w_gate.shape[0], x.shape[-1]
+    d = x.shape[-1]
     by_choice = experts.transpose(1, 2).reshape(g, k * t)  # first choices of every token, then second, ...
     one_hot = F.one_hot(by_choice, n_experts)
     slot = ((one_hot.cumsum(1) - 1) * one_hot).sum(-1)  # each pair's place in its expert's queue in its group
@@ -100,9 +111,32 @@ def with_capacity(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
     row = torch.where(kept, (by_choice * g + group) * capacity_rows + slot, spare).reshape(-1)
     token = (group * t + torch.arange(t, device=x.device).repeat(k)).reshape(-1)
     buffers = x.new_zeros(spare + 1, d).index_add(0, row, x.reshape(g * t, d)[token])
-    buffers = buffers[:-1].view(n_experts, g * capacity_rows, d)
-    y = _swiglu(buffers, w_gate, w_up, w_down, torch.bmm).reshape(spare, d)
-    y = torch.cat([y, y.new_zeros(1, d)])[row]
-    y = y * (weights.transpose(1, 2).reshape(g, k * t) * kept).reshape(-1, 1).to(y.dtype)
-    out = torch.zeros(g * t, d, dtype=x.dtype, device=x.device).index_add(0, token, y)
-    return ExpertOutput(out.view(g, t, d), (~kept).sum().float())
+    gate = (weights.transpose(1, 2).reshape(g, k * t) * kept).reshape(-1)
+    return Dispatch(buffers[:-1].view(n_experts, g * capacity_rows, d), row, token, gate, (~kept).sum().float())
+
+
+def capacity_combine(y: torch.Tensor, dispatch: Dispatch, tokens: int) -> torch.Tensor:
+    """The experts' outputs ``y [E, G * capacity, d]`` (``dispatch.buffers`` put through
+    them) summed back into each of the ``tokens`` (G * T) tokens with its routing weight:
+    ``[G * T, d]``."""
+    d = y.shape[-1]
+    y = torch.cat([y.reshape(-1, d), y.new_zeros(1, d)])[dispatch.row]  # the spare row: zeros
+    y = y * dispatch.gate.unsqueeze(-1).to(y.dtype)
+    return y.new_zeros(tokens, d).index_add(0, dispatch.token, y)
+
+
+def stacked_swiglu(buffers: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                   w_down: torch.Tensor) -> torch.Tensor:
+    """Each expert's SwiGLU on its own buffer: ``buffers [E, rows, d]`` -> ``[E, rows, d]``."""
+    return _swiglu(buffers, w_gate, w_up, w_down, torch.bmm)
+
+
+def with_capacity(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
+                  w_up: torch.Tensor, w_down: torch.Tensor, capacity_rows: int) -> ExpertOutput:
+    """``dropless`` with fixed expert buffers of ``capacity_rows`` per group of tokens: ``x
+    [G, T, d]``, ``experts`` and ``weights [G, T, k]``; within each group, pairs over an
+    expert's capacity are dropped (they add nothing to their token's output). A group is a
+    sequence in ``fxmega.ops.moe``, so what is dropped does not depend on the batch split."""
+    sent = capacity_dispatch(x, experts, weights, w_gate.shape[0], capacity_rows)
+    y = stacked_swiglu(sent.buffers, w_gate, w_up, w_down)
+    return ExpertOutput(capacity_combine(y, sent, x.shape[0] * x.shape[1]).view_as(x), sent.dropped)

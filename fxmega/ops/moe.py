@@ -20,7 +20,7 @@ import torch
 from fxmega.core.errors import ConfigError
 from fxmega.core.spec import ZEROS, Init, ParamSpec
 from fxmega.ops import aux_loss, experts, routing
-from fxmega.sharding.layout import local
+from fxmega.sharding.layout import all_to_all, axis_size, local
 
 
 @dataclass(frozen=True)
@@ -109,15 +109,37 @@ EXPERT_OUT = ("expert", "mlp", "embed")  # w_down
 
 
 def _routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
-                    w_up: torch.Tensor, w_down: torch.Tensor, capacity_rows: int, sequences: int) -> torch.Tensor:
+                    w_up: torch.Tensor, w_down: torch.Tensor, capacity_rows: int, sequences: int,
+                    n_experts: int) -> torch.Tensor:
     """The routed experts' weighted output for ``x [T, d]``: dropless, or with
-    ``capacity_rows`` per expert and sequence (``sequences`` of ``T / sequences`` tokens)."""
-    if not capacity_rows:
+    ``capacity_rows`` per expert and sequence (``sequences`` of ``T / sequences`` tokens).
+    ``w_*`` hold this rank's experts: all ``n_experts``, or 1/ep of them under expert
+    parallelism, where the buffers travel to their experts' ranks and back. Dropless over
+    ep gives each expert room for every token of a sequence (no pair can be dropped, and
+    the exchange keeps static shapes and no host sync, at E / k times the pairs' rows)."""
+    ep = axis_size("expert")
+    if not capacity_rows and ep == 1:
         return experts.dropless(x, chosen, weights, w_gate, w_up, w_down).out
     t, d = x.shape
-    grouped = experts.with_capacity(x.view(sequences, -1, d), chosen.view(sequences, t // sequences, -1),
-                                    weights.view(sequences, t // sequences, -1), w_gate, w_up, w_down, capacity_rows)
-    return grouped.out.reshape(t, d)
+    per_sequence = t // sequences
+    sent = experts.capacity_dispatch(x.view(sequences, per_sequence, d), chosen.view(sequences, per_sequence, -1),
+                                     weights.view(sequences, per_sequence, -1), n_experts,
+                                     capacity_rows or per_sequence)
+    return experts.capacity_combine(_experts_where_they_live(sent.buffers, w_gate, w_up, w_down, ep), sent, t)
+
+
+def _experts_where_they_live(buffers: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+                             ep: int) -> torch.Tensor:
+    """Every expert's output for its buffer of ``buffers [E, rows, d]``, each expert run on
+    the ep rank that holds it: this rank's buffers go to their experts' ranks, which run
+    them beside every other rank's, and the outputs come back in the same layout."""
+    if ep == 1:
+        return experts.stacked_swiglu(buffers, w_gate, w_up, w_down)
+    e, rows, d = buffers.shape
+    mine = e // ep  # the experts this rank holds: received from ep ranks, [ep, mine, rows, d]
+    received = all_to_all(buffers, "expert").view(ep, mine, rows, d).transpose(0, 1).reshape(mine, ep * rows, d)
+    y = experts.stacked_swiglu(received, w_gate, w_up, w_down)
+    return all_to_all(y.view(mine, ep, rows, d).transpose(0, 1).reshape(e, rows, d), "expert")
 
 
 def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,8 +157,8 @@ def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = Non
     # the experts on each rank's slice of their hidden width (tensor parallelism), everything
     # else read whole: a partial sum, reduced by the block's next shard()
     run = local(_routed_experts, ((None, "embed"), (None, None), (None, None), EXPERT_IN, EXPERT_IN, EXPERT_OUT,
-                                  None, None), (None, "embed"), partial=True)
-    y = run(flat, r.experts, r.weights, p["w_gate"], p["w_up"], p["w_down"], rows, b).view(b, s, d)
+                                  None, None, None), (None, "embed"), partial=True)
+    y = run(flat, r.experts, r.weights, p["w_gate"], p["w_up"], p["w_down"], rows, b, moe.n_experts).view(b, s, d)
     if bias is not None:  # the bias's "gradient": this micro batch's tokens per expert
         y = aux_loss.carry(y, bias, routing.expert_counts(r.experts.view(b, s, -1), moe.n_experts, valid).sum(0))
     if moe.aux_loss_coeff or moe.z_loss_coeff:

@@ -11,30 +11,59 @@ Over cp, every tensor is this rank's chunks of the sequence as a plain local ten
 the data axes); the DTensors, where tp makes them, hold those chunks. Only attention reaches
 across the chunks, through ``context`` (``fxmega.sharding.context.ContextParallel``): its
 functional collectives run inside the local function.
+
+Over ep, activations are plain local tensors too (each ep rank reads its own micro batches);
+a MoE layer sends its tokens to the experts' ranks and back with ``all_to_all(x, "expert")``.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import local_map
 
 from fxmega.sharding.context import ContextParallel
+from fxmega.sharding.groups import ProcessGroups
 from fxmega.sharding.plan import ParamLayout, ShardingPlan
+from fxmega.sharding.rules import mesh_axes_of
 
 Axes = tuple[str | None, ...]
 
 
 class ActivationLayouts:
-    """Logical axis names -> placements on the tp mesh (``mesh``; None without tp), and the
-    context-parallel collectives attention uses (``context``; None without cp)."""
+    """Logical axis names -> placements on the tp mesh (``mesh``; None without tp), the
+    context-parallel collectives attention uses (``context``; None without cp), and the
+    exchanges between the ranks that split a logical axis over other mesh axes (``groups``:
+    the experts over ep)."""
 
-    def __init__(self, plan: ShardingPlan, mesh: DeviceMesh | None, context: ContextParallel | None = None) -> None:
-        self.plan, self.mesh, self.context = plan, mesh, context
+    def __init__(self, plan: ShardingPlan, mesh: DeviceMesh | None, context: ContextParallel | None = None,
+                 groups: ProcessGroups | None = None) -> None:
+        self.plan, self.mesh, self.context, self.groups = plan, mesh, context, groups
+
+    def _exchange_axes(self, name: str) -> tuple[str, ...]:
+        axes = tuple(a for a in mesh_axes_of(self.plan.strategy.rules.get(name)) if self.plan.mesh.size(a) > 1)
+        if "tp" in axes:
+            raise ValueError(f"all_to_all over {name!r}, which the rules split over tp: tp-split activations are "
+                             f"DTensors, exchanged by shard(); all_to_all is for axes split over other mesh axes")
+        return axes
+
+    def axis_size(self, name: str) -> int:
+        return math.prod([self.plan.mesh.size(a) for a in self._exchange_axes(name)])
+
+    def all_to_all(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        axes = self._exchange_axes(name)
+        if not axes:
+            return x
+        if self.groups is None:
+            raise ValueError(f"all_to_all over {name!r} needs the process groups of {axes}")
+        # equal splits: static shapes, no host sync, one collective in the compiled graph
+        return funcol.all_to_all_single_autograd(x.contiguous(), None, None, self.groups.group(axes))
 
     def placement(self, axes: Axes) -> list:
         """Where an activation with logical ``axes`` is split over tp (or replicated)."""

@@ -465,7 +465,7 @@ def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: 
     # ZeRO-1: onto the optimizer's shards, once per step
     scheduled("reduce_scatter", lambda p: extra(p, "opt", "grad"), lambda p: p.local_numel("grad"), 1, reduce)
     # replicas (plain data parallelism, HSDP's dp): all-reduced once per step
-    scheduled("all_reduce", lambda p: tuple(a for a in DATA_AXES if mesh.size(a) > 1 and a not in p.data_axes["opt"]),
+    scheduled("all_reduce", lambda p: p.replica_axes(tuple(a for a in DATA_AXES if mesh.size(a) > 1)),
               lambda p: p.local_numel("opt"), 1, reduce)
     # ZeRO-1/2: the updated shards gathered back into every replica
     scheduled("all_gather", lambda p: extra(p, "opt", "param"), lambda p: p.local_numel("param"), 1, FP32)

@@ -34,8 +34,7 @@ class GradientSync:
         data_axes = groups.data_axes
         self._micro = self._schedule([("reduce_scatter", extra(lay, "grad", "param")) for lay in layouts])
         self._scatter = self._schedule([("reduce_scatter", extra(lay, "opt", "grad")) for lay in layouts])
-        self._replica = self._schedule(
-            [("all_reduce", tuple(a for a in data_axes if a not in lay.data_axes["opt"])) for lay in layouts])
+        self._replica = self._schedule([("all_reduce", lay.replica_axes(data_axes)) for lay in layouts])
         self._refresh = self._schedule([("all_gather", extra(lay, "opt", "param")) for lay in layouts])
         self._opt_slices = [self._opt_slice(lay) for lay in layouts]
 
@@ -106,7 +105,7 @@ class GradientSync:
         weights = []
         coords = self.groups.coords
         for lay in self.layouts:
-            replicated = [a for a in self.groups.data_axes if a not in lay.data_axes["opt"]]
+            replicated = list(lay.replica_axes(self.groups.data_axes))
             if lay.tp_dim is None and self.groups.tp > 1:
                 replicated.append("tp")
             if self.groups.cp > 1:  # parameters are replicated over cp

@@ -1,7 +1,8 @@
 """Activation layouts: how model code says which logical axes an activation has.
 
 Model code calls ``shard(x, "batch", "seq", "embed")`` at block boundaries and runs
-per-shard kernels (attention) through ``local(fn, ...)``. With no sharding plan active both
+per-shard kernels (attention) through ``local(fn, ...)``; an exchange between the ranks that
+split a logical axis (experts' tokens) is ``all_to_all(x, name)``. With no sharding plan active both
 are the identity, so the model runs unchanged on one device; under a plan
 (``activate(layout)``, held for the duration of a traced step) ``shard`` becomes an
 explicit ``redistribute`` to the placements the rules give those names and ``local`` runs
@@ -27,6 +28,10 @@ class ActivationLayout(Protocol):
 
     def local(self, fn: Callable[..., Any], in_axes: tuple[tuple[str | None, ...] | None, ...],
               out_axes: tuple[str | None, ...], partial: bool = False) -> Callable[..., Any]: ...
+
+    def axis_size(self, name: str) -> int: ...
+
+    def all_to_all(self, x: torch.Tensor, name: str) -> torch.Tensor: ...
 
 
 _active: ActivationLayout | None = None
@@ -71,3 +76,18 @@ def local(fn: Callable[..., Any], in_axes: tuple[tuple[str | None, ...] | None, 
     if _active is None:
         return fn
     return _active.local(fn, in_axes, out_axes, partial)
+
+
+def axis_size(name: str) -> int:
+    """How many ranks split logical axis ``name`` under the active plan (1: none, or no plan):
+    e.g. over how many ranks a MoE layer's experts are spread."""
+    return 1 if _active is None else _active.axis_size(name)
+
+
+def all_to_all(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Among the ``axis_size(name)`` ranks that split logical axis ``name``: ``x``'s first dim
+    cut in that many equal chunks, chunk ``j`` sent to the ``j``-th of them, the chunks
+    received stacked along the first dim in the same order (``jax.lax.all_to_all`` with
+    split and concat axis 0). Differentiable (the backward is the reverse exchange); the
+    identity when nothing splits ``name``. Called on local tensors (inside ``local``)."""
+    return x if _active is None else _active.all_to_all(x, name)

@@ -10,7 +10,15 @@ Axes:
   tp    tensor parallel (Megatron layouts, optional sequence parallelism)
   pp    pipeline parallel (stages cut from the layer stack)
   cp    context parallel (each sequence split into head-tail chunks; parameters replicated)
-  ep    reserved for expert parallelism (not implemented)
+  ep    expert parallelism: the experts of a MoE layer split over ep ranks, tokens sent to
+        their experts' ranks and back with all-to-all
+
+``ep`` is folded over the data ranks (Megatron-Core's "parallel folding", torchtitan's ep):
+``--mesh dp=4,tp=2,ep=2`` is 8 ranks, 4 data ranks of which each pair of neighbours holds
+half of every MoE layer's experts. Dense parameters see 4 data ranks; expert parameters are
+replicated over the 2 "expert data" ranks and split over ep. In the physical mesh the dp
+axis written becomes ``dp`` (the expert-data part, size dp / ep) times ``ep``, and both
+split the batch: ``MeshSpec`` holds those physical sizes.
 
 Physical rank order follows Megatron-LM whatever order is written: tp varies fastest, then
 cp, ep, fsdp, dp, and pp slowest, so tensor-parallel groups sit on neighbouring devices.
@@ -26,8 +34,7 @@ from typing import Any
 from fxmega.core.errors import ConfigError
 
 PHYSICAL_ORDER = ("pp", "dp", "fsdp", "ep", "cp", "tp")  # slowest to fastest
-DATA_AXES = ("dp", "fsdp")
-RESERVED_AXES = ("ep",)
+DATA_AXES = ("dp", "fsdp", "ep")  # the axes that split the batch (ep folded over the written dp)
 DEFAULT_ORDER = ("dp", "tp", "pp", "cp")  # --mesh 8x4x2 is dp x tp x pp; a fourth size is cp
 
 
@@ -66,7 +73,7 @@ class MeshSpec:
     @property
     def data_size(self) -> int:
         """Data-parallel ranks: how many ways the global batch is split."""
-        return self.size("dp") * self.size("fsdp")
+        return math.prod(self.size(a) for a in DATA_AXES)
 
     def coords(self, rank: int) -> dict[str, int]:
         """Coordinates of ``rank`` on every axis (row-major over the physical order)."""
@@ -77,12 +84,25 @@ class MeshSpec:
         return {a: out.get(a, 0) for a in PHYSICAL_ORDER}
 
     def data_rank(self, rank: int) -> int:
-        """Index of ``rank``'s slice of the global batch: dp-major over (dp, fsdp)."""
-        c = self.coords(rank)
-        return c["dp"] * self.size("fsdp") + c["fsdp"]
+        """Index of ``rank``'s slice of the global batch: dp-major over (dp, fsdp, ep)."""
+        c, index = self.coords(rank), 0
+        for axis in DATA_AXES:
+            index = index * self.size(axis) + c[axis]
+        return index
 
     def describe(self) -> str:
-        axes = " x ".join(f"{a}={n}" for a, n in self.sizes) or "single device"
+        """The mesh as written (dp counts every data rank), with ep's folding spelled out."""
+        ep = self.size("ep")
+        parts = []
+        for a, n in self.sizes:
+            if a == "dp" and ep > 1:
+                parts.append(f"dp={n * ep} [ep={ep} x expert-data {n}]")
+            elif a == "ep":
+                if "dp" not in self.names:
+                    parts.append(f"dp={n} [ep={n}]")
+            else:
+                parts.append(f"{a}={n}")
+        axes = " x ".join(parts) or "single device"
         return f"{axes} ({self.world_size} rank{'s' if self.world_size != 1 else ''})"
 
     def rank_table(self, limit: int = 16) -> str:
@@ -116,11 +136,24 @@ def parse_mesh(text: str, order: tuple[str, ...] = DEFAULT_ORDER) -> MeshSpec:
             )
         for name, value in zip(order, parts):
             sizes[name] = _size(value, name, text)
-    for axis in RESERVED_AXES:
-        if sizes.get(axis, 1) > 1:
-            raise ConfigError(f"--mesh {text}: axis {axis} is reserved for expert parallelism, "
-                              f"which fxmega does not implement yet")
-    return MeshSpec.of(**sizes)
+    return MeshSpec.of(**fold_ep(sizes, text))
+
+
+def fold_ep(sizes: dict[str, int], text: str) -> dict[str, int]:
+    """The written sizes with ep folded over dp: ``dp=4,ep=2`` -> physical dp=2 x ep=2."""
+    ep = sizes.pop("ep", 1)
+    if ep == 1:
+        return sizes
+    if sizes.get("fsdp", 1) > 1:
+        raise ConfigError(f"--mesh {text}: ep folds over the dp axis, and fsdp={sizes['fsdp']} is not folded yet; "
+                          f"shard the dense parameters over dp with --zero 1/2/3 (e.g. dp={sizes['fsdp']},ep={ep}) "
+                          f"instead of fsdp")
+    dp = sizes.get("dp", 1)
+    if dp % ep:
+        raise ConfigError(f"--mesh {text}: ep={ep} does not divide dp={dp}; ep is folded over the data ranks "
+                          f"(each expert group is ep of the dp ranks, adding no ranks of its own): choose ep "
+                          f"dividing dp, e.g. --mesh dp={ep * max(1, dp // ep)},ep={ep}")
+    return {**sizes, "dp": dp // ep, "ep": ep}
 
 
 def _size(value: str, name: str, text: str) -> int:

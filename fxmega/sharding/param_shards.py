@@ -31,6 +31,8 @@ class ParamShards:
         t, coords = full, self.groups.coords
         if lay.tp_dim is not None:
             t = t.chunk(self.groups.tp, lay.tp_dim)[coords["tp"]]
+        if lay.ep_dim is not None:
+            t = t.chunk(lay.ep_size, lay.ep_dim)[coords["ep"]]
         split = lay.data_split(kind)
         if lay.zero_dim is not None and split > 1:
             t = t.chunk(split, lay.zero_dim)[lay.data_index(kind, coords)]
@@ -67,6 +69,8 @@ class ParamShards:
         for axis in self.groups.mesh.names:
             if axis == "tp" and lay.tp_dim is not None:
                 out.append(Shard(lay.tp_dim))
+            elif axis == "ep" and lay.ep_dim is not None:
+                out.append(Shard(lay.ep_dim))
             elif axis in lay.data_axes[kind]:
                 out.append(Shard(lay.zero_dim))
             else:

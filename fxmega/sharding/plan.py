@@ -37,14 +37,29 @@ class ParamLayout:
     data_axes: dict[str, tuple[str, ...]]  # kind -> data axes splitting zero_dim
     tp_size: int
     data_sizes: dict[str, int] = field(default_factory=dict)  # data axis -> size
+    ep_dim: int | None = None  # the experts' dim, split over ep (each ep rank its own experts)
+
+    @property
+    def ep_size(self) -> int:
+        return self.data_sizes.get("ep", 1) if self.ep_dim is not None else 1
 
     def data_split(self, kind: str) -> int:
         return math.prod(self.data_sizes[a] for a in self.data_axes[kind])
+
+    def replica_axes(self, data_axes: tuple[str, ...]) -> tuple[str, ...]:
+        """Of the mesh's ``data_axes``, those over which this parameter's (optimizer-layout)
+        gradient is summed: not the ones sharding its optimizer state, and not ep for an
+        expert (an expert's gradient reaches its own ep rank from every ep rank's tokens
+        through the all-to-all's backward, already summed)."""
+        split = set(self.data_axes["opt"]) | ({"ep"} if self.ep_dim is not None else set())
+        return tuple(a for a in data_axes if a not in split)
 
     def local_shape(self, kind: str = "param") -> tuple[int, ...]:
         shape = list(self.shape)
         if self.tp_dim is not None:
             shape[self.tp_dim] //= self.tp_size
+        if self.ep_dim is not None:
+            shape[self.ep_dim] //= self.ep_size
         if self.zero_dim is not None:
             shape[self.zero_dim] //= self.data_split(kind)
         return tuple(shape)
@@ -58,6 +73,8 @@ class ParamLayout:
         for axis in mesh.names:
             if axis == "tp" and self.tp_dim is not None:
                 out.append(f"S({self.tp_dim})")
+            elif axis == "ep" and self.ep_dim is not None:
+                out.append(f"S({self.ep_dim})")
             elif axis in self.data_axes[kind]:
                 out.append(f"S({self.zero_dim})")
             else:
@@ -165,6 +182,21 @@ def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy, pipeline: Pi
                           f"the padded logits are masked out of the loss")
     for path, spec in leaves:
         plan.params[path] = _layout(path, spec, rules, zero, mesh, tp, data_sizes, vocab, padded_vocab)
+    ep = mesh.size("ep")
+    if ep > 1:
+        experts = [p.path for p in plan.params.values() if p.ep_dim is not None]
+        if not experts:
+            raise ConfigError(f"mesh {mesh.describe()}: ep={ep} splits the experts of MoE layers, and no parameter "
+                              f"is split over ep (a model without experts, or rules without 'expert': 'ep'); "
+                              f"drop ep from --mesh (its ranks are data ranks already) or map 'expert' to 'ep'")
+        gathered = {p.data_axes["param"] for p in plan.params.values() if p.data_axes["param"]}
+        if len(gathered) > 1:
+            raise ConfigError(f"zero {zero} with ep={ep} and an expert-data size of {mesh.size('dp')}: dense "
+                              f"parameters would be gathered over dp x ep and experts over dp alone, two groups per "
+                              f"block, which fxmega does not do yet; use --zero 1 or 2, or dp equal to ep")
+        plan.notes.append(f"ep={ep}: {len(experts)} expert tensors split over ep (each ep rank 1/{ep} of the experts), "
+                          f"tokens sent to their experts' ranks and back by all-to-all; the batch is split over "
+                          f"all {mesh.data_size} data ranks")
     if mesh.size("cp") > 1:
         plan.notes.append(f"cp={mesh.size('cp')}: each sequence is split into head-tail chunks over cp; parameters "
                           f"are replicated over it and their gradients summed over it in the backward")
@@ -185,12 +217,18 @@ def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy, pipeline: Pi
 def _layout(path: str, spec: ParamSpec, rules: dict, zero: int, mesh: MeshSpec, tp: int,
             data_sizes: dict[str, int], vocab: int, padded_vocab: int) -> ParamLayout:
     shape = tuple(padded_vocab if a == "vocab" and n == vocab else n for a, n in zip(spec.axes, spec.shape))
-    tp_dim = zero_dim = None
+    tp_dim = zero_dim = ep_dim = None
     rule_data_axes: tuple[str, ...] = ()
     for dim, name in enumerate(spec.axes):
         axes = [a for a in mesh_axes_of(rules.get(name)) if mesh.size(a) > 1]
         for axis in axes:
-            if axis == "tp":
+            if axis == "ep" or name == "expert":
+                if (axis, name) != ("ep", "expert"):
+                    raise ConfigError(f"parameter {path}: rule {name!r} -> {axis!r}; the ep axis splits the experts "
+                                      f"of a MoE layer (logical axis 'expert') and nothing else: map 'expert' to "
+                                      f"'ep' and {name!r} elsewhere")
+                ep_dim = dim
+            elif axis == "tp":
                 if tp_dim is not None:
                     raise ConfigError(f"parameter {path} {spec.shape} {spec.axes}: the tp axis would split both dim "
                                       f"{tp_dim} ({spec.axes[tp_dim]}) and dim {dim} ({name}); map one of them to None")
@@ -203,16 +241,18 @@ def _layout(path: str, spec: ParamSpec, rules: dict, zero: int, mesh: MeshSpec, 
                 rule_data_axes += (axis,)
             else:
                 raise ConfigError(f"parameter {path}: rule {name!r} -> {axis!r}; parameters can be split only over "
-                                  f"tp, dp and fsdp")
+                                  f"tp, dp, fsdp and (experts) ep")
     if tp_dim is not None and tp_dim == zero_dim:
         raise ConfigError(f"parameter {path} {spec.axes}: dim {tp_dim} ({spec.axes[tp_dim]}) is split over both tp and "
                           f"data axes; split different dims (the presets split embed over data axes and "
                           f"heads/mlp/vocab over tp)")
-    if zero_dim is None and zero > 0 and "embed" in spec.axes and mesh.size("dp") > 1:
+    # ZeRO shards over every rank holding a replica: dp, and the ep ranks for what they do not split
+    zero_axes = tuple(a for a in ("dp", "ep") if mesh.size(a) > 1 and not (a == "ep" and ep_dim is not None))
+    if zero_dim is None and zero > 0 and "embed" in spec.axes and zero_axes:
         zero_dim = spec.axes.index("embed")
         if zero_dim == tp_dim:
             zero_dim = None
-    dp = ("dp",) if mesh.size("dp") > 1 and zero_dim is not None else ()
+    dp = zero_axes if zero_dim is not None else ()
     ordered = lambda axes: tuple(a for a in DATA_AXES if a in set(axes))  # noqa: E731
     data_axes = {
         "param": ordered(rule_data_axes + (dp if zero >= 3 else ())),
@@ -234,7 +274,10 @@ def _layout(path: str, spec: ParamSpec, rules: dict, zero: int, mesh: MeshSpec, 
             raise ConfigError(f"parameter {path}: dim {zero_dim} ({spec.axes[zero_dim]}) has size {shape[zero_dim]}, "
                               f"which the data axes {'x'.join(data_axes['opt'])} (size {split}) do not divide; "
                               f"choose data-parallel sizes that divide {shape[zero_dim]}")
-    return ParamLayout(path, shape, spec.axes, tp_dim, zero_dim, data_axes, tp, data_sizes)
+    if ep_dim is not None and shape[ep_dim] % mesh.size("ep"):
+        raise ConfigError(f"parameter {path}: {shape[ep_dim]} experts, which ep={mesh.size('ep')} does not divide; "
+                          f"choose an ep size that divides the number of experts")
+    return ParamLayout(path, shape, spec.axes, tp_dim, zero_dim, data_axes, tp, data_sizes, ep_dim)
 
 
 def format_bytes(n: float) -> str:

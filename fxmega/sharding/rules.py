@@ -14,8 +14,9 @@ Logical names used by fxmega's models:
 Context parallelism (``cp`` in the mesh) splits ``seq`` and ``ctx`` over cp by construction,
 like the batch over the data axes: neither cp nor ctx has a rule.
 
-The batch is split over the mesh's data axes (dp, fsdp) by construction, and over nothing
-else: each data rank reads its own micro batches (dp-major over dp x fsdp). It has no rule,
+The batch is split over the mesh's data axes (dp, fsdp, and ep, which is folded over dp) by
+construction, and over nothing else: each data rank reads its own micro batches (dp-major
+over dp x fsdp x ep). It has no rule,
 and a rule naming ``batch`` is refused rather than printed and ignored.
 
 A strategy also has a ZeRO stage (``--zero``): how much state is sharded over the ``dp``
@@ -50,6 +51,7 @@ MEGATRON: Rules = {
     "heads": "tp",
     "kv_heads": "tp",
     "mlp": "tp",
+    "expert": "ep",  # expert parallelism: each ep rank holds 1/ep of a MoE layer's experts
 }
 
 # Sequence parallelism: between blocks the residual stream is split along the sequence

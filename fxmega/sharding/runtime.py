@@ -4,9 +4,10 @@
     mesh's axes;
   * ``shards`` (``ParamShards``): this rank's slice of every parameter, the seeded sharded
     init, DTensor views for checkpoints, and the way back to full tensors;
-  * ``activations`` (``ActivationLayouts``, None without tp and cp): the layouts model code
-    names with ``shard(...)`` and ``local(...)``, held on DTensors over the 1-D tp mesh, and
-    under cp the collectives attention reaches the other chunks with;
+  * ``activations`` (``ActivationLayouts``, None without tp, cp and ep): the layouts model
+    code names with ``shard(...)`` and ``local(...)``, held on DTensors over the 1-D tp mesh,
+    under cp the collectives attention reaches the other chunks with, under ep the
+    all-to-all that carries tokens to their experts;
   * ``grads`` (``GradientSync``): the data axes' bucketed gradient reductions (all-reduce,
     or reduce-scatter for ZeRO) and the all-gather after a sharded update.
 
@@ -66,8 +67,9 @@ class Parallel:
         self.context = (ContextParallel(cp_mesh, self.groups.cp, cp_attention, cp_mesh.get_local_rank())
                         if cp_mesh is not None else None)
         tp_mesh = self.groups.tp_mesh
-        self.activations = (ActivationLayouts(plan, tp_mesh, self.context)
-                            if tp_mesh is not None or self.context is not None else None)
+        exchanges = plan.mesh.size("ep") > 1  # MoE layers send tokens to their experts' ranks
+        self.activations = (ActivationLayouts(plan, tp_mesh, self.context, self.groups)
+                            if tp_mesh is not None or self.context is not None or exchanges else None)
         self.grads = GradientSync(self.groups, self.shards.layouts, bucket_numel, self.reduce_dtype)
         param_axes = {lay.data_axes["param"] for lay in self.shards.layouts if lay.data_axes["param"]}
         if len(param_axes) > 1:
