@@ -1,6 +1,6 @@
 """Checkpoints: exact resume in a new process, atomic saves that survive SIGKILL, clear
 errors for damaged files, no unsafe unpickling, retention, asynchronous saves, and
-loading onto another mesh (dp2×tp2 → 1, tp2×pp2 → dp4, 1 → tp2)."""
+loading onto another mesh (dp2×tp2 → 1, tp2×pp2 → dp4, 1 → tp2, a MoE's ep=2 → ep=4 and 1)."""
 
 from __future__ import annotations
 
@@ -195,8 +195,8 @@ def test_a_checkpoint_of_another_model_is_a_clear_error(saved):
 
 
 # -- loading onto another mesh --------------------------------------------------------------
-def _single(root=None, save_at: int = 3) -> list[float]:
-    run = Run(config(None))
+def _single(root=None, save_at: int = 3, model: str = "tiny_gpt") -> list[float]:
+    run = Run(config(None, model))
     if root is not None:
         assert run.resume(str(root)) and run.step == save_at
         return [run.do_step()["loss"] for _ in range(6 - save_at)]
@@ -225,6 +225,17 @@ def test_cp4_checkpoint_continues_on_dp2_cp2(tmp_path):
     r = run_ranks(4, "tests.checkpoint_workers:save_then_load", dict(mesh="cp=4"), str(tmp_path), 3,
                   dict(mesh="dp=2,cp=2"))[0]
     assert_losses_match(r["loaded_run"], r["saved_run"][3:], config(None), first_step=4)
+
+
+@pytest.mark.slow
+def test_ep2_checkpoint_continues_on_ep4_and_on_one_device(tmp_path):
+    # a MoE run's experts split over ep=2 (their AdamW state further over the 2 expert-data
+    # ranks, ZeRO-1) read back as one expert per rank (ep=4) and as whole tensors (one device)
+    r = run_ranks(4, "tests.checkpoint_workers:save_then_load", dict(mesh="dp=4,ep=2", rules="zero1"),
+                  str(tmp_path), 3, dict(mesh="dp=4,ep=4"), "tiny_moe")[0]
+    assert_losses_match(r["loaded_run"], r["saved_run"][3:], config(None, "tiny_moe"), first_step=4)
+    assert_losses_match(_single(tmp_path, model="tiny_moe"), r["saved_run"][3:], config(None, "tiny_moe"),
+                        first_step=4)
 
 
 @pytest.mark.slow
