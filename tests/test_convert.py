@@ -1,4 +1,4 @@
-"""Hugging Face interop: a tiny random GPT-2, Llama and Mixtral saved by ``transformers`` import into
+"""Hugging Face interop: a tiny random GPT-2, Llama, Mixtral and Qwen3-MoE saved by ``transformers`` import into
 fxmega with logits equal in float64 (1e-10), export back into directories that
 ``transformers`` loads with identical weights and logits, and go through the command line
 and into training."""
@@ -54,12 +54,25 @@ def _hf_mixtral():
     return transformers.MixtralForCausalLM(cfg)
 
 
-MODELS = {"gpt": (_hf_gpt2, gpt), "llama": (_hf_llama, llama), "mixtral": (_hf_mixtral, mixtral)}
+def _hf_qwen3_moe():
+    # Qwen3's own head width (32, not 64 / 4), each head's query and key RMS-normalised, a
+    # dense first layer (mlp_only_layers), experts narrower than the dense MLP
+    cfg = transformers.Qwen3MoeConfig(vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
+                                      norm_topk_prob=True, mlp_only_layers=[0], rope_theta=1e6, bos_token_id=0,
+                                      eos_token_id=0, attn_implementation="sdpa", experts_implementation="eager")
+    return transformers.Qwen3MoeForCausalLM(cfg)
 
 
-@pytest.mark.parametrize("family", list(MODELS))
-def test_round_trip_with_float64_logits(family, tmp_path):
-    make, module = MODELS[family]
+# name -> (the transformers model, fxmega's module, fxmega's family)
+MODELS = {"gpt2": (_hf_gpt2, gpt, "gpt"), "llama": (_hf_llama, llama, "llama"),
+          "mixtral": (_hf_mixtral, mixtral, "mixtral"), "qwen3_moe": (_hf_qwen3_moe, mixtral, "mixtral")}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_round_trip_with_float64_logits(name, tmp_path):
+    make, module, family = MODELS[name]
     hf = _random(make())
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
     got_family, cfg, params = from_hf(tmp_path / "hf", dtype=torch.float64)
@@ -76,6 +89,7 @@ def test_round_trip_with_float64_logits(family, tmp_path):
                                    atol=max(atol, atol * float(want.abs().max())))
     to_hf(family, cfg, params, tmp_path / "back")
     loop = {"experts_implementation": "eager"} if family == "mixtral" else {}  # float64: see _hf_mixtral
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == name
     back = type(hf).from_pretrained(tmp_path / "back", torch_dtype=torch.float64, **loop).eval()
     for name, tensor in hf.state_dict().items():
         assert torch.equal(back.state_dict()[name], tensor), name
@@ -160,7 +174,7 @@ def test_conversion_errors(tmp_path):
     with pytest.raises(CheckpointError, match="has no config.json"):
         from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    with pytest.raises(ConfigError, match="model_type 't5': fxmega converts gpt2, llama, mixtral and bert"):
+    with pytest.raises(ConfigError, match="model_type 't5': fxmega converts gpt2, llama, mixtral, qwen3_moe and bert"):
         from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(CheckpointError, match="has no model.safetensors"):

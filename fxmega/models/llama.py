@@ -37,10 +37,12 @@ class Config:
     rope_scaling: RopeScaling = field(default_factory=RopeScaling)  # long context: llama3 or yarn
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    d_head: int = 0  # each head's width (0: d_model / n_heads; Qwen3 sets it apart, e.g. 128 at d_model 2048, 32 heads)
+    qk_norm: bool = False  # RMSNorm over each head's query and key before the rotation (Qwen3, OLMo 2)
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.d_head or self.d_model // self.n_heads
 
     @property
     def rope(self) -> Rope:
@@ -55,7 +57,9 @@ class Config:
         self.rope_scaling.validate(f"{prefix}.rope_scaling")
         if self.n_kv_heads < 0:
             raise ConfigError(f"{prefix}.n_kv_heads={self.n_kv_heads} must be positive, or 0 for n_heads")
-        if self.d_model % self.n_heads:
+        if self.d_head < 0:
+            raise ConfigError(f"{prefix}.d_head={self.d_head} must be positive, or 0 for d_model / n_heads")
+        if not self.d_head and self.d_model % self.n_heads:
             raise ConfigError(
                 f"{prefix}.n_heads={self.n_heads} does not divide {prefix}.d_model={self.d_model}: "
                 f"choose n_heads so that d_model / n_heads is a whole head size"
@@ -91,6 +95,8 @@ def block_specs(cfg: Any, feed_forward: dict) -> dict:
             "wk": ParamSpec((d, kv, hd), ("embed", "kv_heads", "head_dim"), weight),
             "wv": ParamSpec((d, kv, hd), ("embed", "kv_heads", "head_dim"), weight),
             "wo": ParamSpec((h, hd, d), ("heads", "head_dim", "embed"), residual),
+            **({"q_norm": {"scale": ParamSpec((hd,), ("head_dim",), ONES)},
+                "k_norm": {"scale": ParamSpec((hd,), ("head_dim",), ONES)}} if cfg.qk_norm else {}),
         },
         "mlp_norm": {"scale": ParamSpec((d,), ("embed",), ONES)},
         **feed_forward,
@@ -170,6 +176,9 @@ def attention(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None 
     q = layers.project_to_heads(x, p["wq"])
     k = layers.project_to_heads(x, p["wk"])
     v = layers.project_to_heads(x, p["wv"])
+    if "q_norm" in p:  # qk_norm: each head's query and key normalised over head_dim, then rotated
+        q = layers.rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps)
+        k = layers.rms_norm(k, p["k_norm"]["scale"], cfg.norm_eps)
     if cache is not None:  # the rotary tables come with ``write``, at each row's positions
         out, cache = layers.cached_attention(q, k, v, cache, write)
         return layers.project_from_heads(out, p["wo"]), cache

@@ -72,7 +72,8 @@ def _require(ok: bool, message: str) -> None:
 _LLAMA_REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
 _REQUIRED = {"gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),
              "llama": _LLAMA_REQUIRED,
-             "mixtral": (*_LLAMA_REQUIRED, "num_local_experts", "num_experts_per_tok")}
+             "mixtral": (*_LLAMA_REQUIRED, "num_local_experts", "num_experts_per_tok"),
+             "qwen3_moe": (*_LLAMA_REQUIRED, "moe_intermediate_size", "num_experts_per_tok")}
 
 
 def config_from_hf(hf: dict[str, Any]) -> tuple[str, gpt.Config | llama.Config]:
@@ -96,7 +97,32 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[str, gpt.Config | llama.Config]:
         moe = MoE(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
                   aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
         return "mixtral", mixtral.Config(**_llama_fields(hf), moe=moe)
-    raise ConfigError(f"Hugging Face model_type {kind!r}: fxmega converts gpt2, llama, mixtral and bert")
+    if kind == "qwen3_moe":
+        return "mixtral", _qwen3_moe_config(hf)
+    raise ConfigError(f"Hugging Face model_type {kind!r}: fxmega converts gpt2, llama, mixtral, qwen3_moe and bert")
+
+
+def _qwen3_moe_config(hf: dict[str, Any]) -> mixtral.Config:
+    """Qwen3-MoE as the mixtral family: Llama attention with each head's query and key
+    RMS-normalised (``qk_norm``) and a head width of its own (``head_dim``), softmax top-k
+    routing over ``moe_intermediate_size`` experts, the ``mlp_only_layers`` dense."""
+    n_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    _require(isinstance(n_experts, int) and n_experts > 0,
+             f"config.json (qwen3_moe) has no expert count (num_experts / num_local_experts): {n_experts!r}")
+    layers = hf["num_hidden_layers"]
+    dense = sorted(hf.get("mlp_only_layers") or [])
+    step = hf.get("decoder_sparse_step", 1)
+    _require(step == 1 and dense == list(range(len(dense))),
+             f"qwen3_moe with decoder_sparse_step={step} and mlp_only_layers={dense}: fxmega's MoE layers follow "
+             f"the first dense ones without gaps (first_dense_layers); these layers are not")
+    _require(not hf.get("use_sliding_window"), "qwen3_moe with use_sliding_window: fxmega attends over the whole "
+                                               "context")
+    moe = MoE(n_experts=n_experts, top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],
+              norm_topk=bool(hf.get("norm_topk_prob", False)), first_dense_layers=len(dense),
+              aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
+    _require(len(dense) < layers, f"qwen3_moe: all {layers} layers are in mlp_only_layers; that is a dense Qwen3")
+    fields = _llama_fields({**hf, "head_dim": None})  # head_dim is Qwen3's own: d_head below
+    return mixtral.Config(**fields, d_head=hf.get("head_dim") or 0, qk_norm=True, moe=moe)
 
 
 def _llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -166,17 +192,52 @@ def config_to_hf(family: str, cfg: gpt.Config | llama.Config, dtype: torch.dtype
            "rope_parameters": _rope_to_hf(cfg),
            "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "tie_word_embeddings": False,
            "attention_bias": False, "mlp_bias": False, "torch_dtype": torch_dtype}
+    _require(family != "llama" or not (cfg.qk_norm or cfg.d_head), "a llama with qk_norm or a head width of its "
+                                                                  "own is not a LlamaForCausalLM; it is not exported")
+    if family == "mixtral" and cfg.qk_norm:
+        return out | _qwen3_moe_to_hf(cfg)
     if family == "mixtral":
+        _require(_plain_mixtral(cfg), f"this mixtral-family model ({cfg.moe}, d_head={cfg.d_head}) has features "
+                                      f"MixtralForCausalLM lacks (shared experts, dense first layers, expert width "
+                                      f"or head width of its own, sigmoid or grouped routing); it is not exported")
         out |= {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
                 "num_local_experts": cfg.moe.n_experts, "num_experts_per_tok": cfg.moe.top_k,
                 "router_aux_loss_coef": cfg.moe.aux_loss_coeff, "sliding_window": None, "router_jitter_noise": 0.0}
     return out
 
 
-# family -> (Hugging Face state dict -> params, params -> state dict)
-_LAYOUTS = {"gpt": (hf_layout.gpt2_from_hf, hf_layout.gpt2_to_hf),
+def _plain_mixtral(cfg: mixtral.Config) -> bool:
+    m = cfg.moe
+    return (not m.n_shared_experts and not m.first_dense_layers and m.expert_width(cfg.d_ff) == cfg.d_ff
+            and m.score == "softmax" and m.norm_topk and m.n_groups == 1 and m.route_scale == 1.0
+            and not m.expert_bias and not cfg.d_head)
+
+
+def _qwen3_moe_to_hf(cfg: mixtral.Config) -> dict[str, Any]:
+    m = cfg.moe
+    _require(not m.n_shared_experts and m.score == "softmax" and m.n_groups == 1 and m.route_scale == 1.0
+             and not m.expert_bias, f"this mixtral-family model with qk_norm ({m}) has features Qwen3MoeForCausalLM "
+                                    f"lacks (shared experts, sigmoid or grouped routing, an expert bias)")
+    return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "head_dim": cfg.head_dim,
+            "num_experts": m.n_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.expert_width(
+                cfg.d_ff), "norm_topk_prob": m.norm_topk, "mlp_only_layers": list(range(m.first_dense_layers)),
+            "decoder_sparse_step": 1, "router_aux_loss_coef": m.aux_loss_coeff, "use_sliding_window": False,
+            "sliding_window": None}
+
+
+# Hugging Face model_type -> (its state dict -> params, params -> state dict); a family
+# exports as the model_type ``hf_kind`` names
+_LAYOUTS = {"gpt2": (hf_layout.gpt2_from_hf, hf_layout.gpt2_to_hf),
             "llama": (hf_layout.llama_from_hf, hf_layout.llama_to_hf),
-            "mixtral": (hf_layout.mixtral_from_hf, hf_layout.mixtral_to_hf)}
+            "mixtral": (hf_layout.mixtral_from_hf, hf_layout.mixtral_to_hf),
+            "qwen3_moe": (hf_layout.qwen3_moe_from_hf, hf_layout.qwen3_moe_to_hf)}
+
+
+def hf_kind(family: str, cfg: Any) -> str:
+    """The Hugging Face model_type fxmega writes a ``family`` model as."""
+    if family == "mixtral" and cfg.qk_norm:
+        return "qwen3_moe"
+    return {"gpt": "gpt2"}.get(family, family)
 
 
 def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[str, Any, dict]:
@@ -187,10 +248,11 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[str, 
 
         cfg, params = load_hf_dir(path, dtype)
         return "bert", cfg, params
-    family, cfg = config_from_hf(hf_files.read_config(path, "give a Hugging Face model directory"))
+    hf = hf_files.read_config(path, "give a Hugging Face model directory")
+    family, cfg = config_from_hf(hf)
     sd = {k: v.to(dtype) for k, v in _read_tensors(path).items()}
     try:
-        params = _LAYOUTS[family][0](sd, cfg)
+        params = _LAYOUTS[hf["model_type"]][0](sd, cfg)
     except KeyError as e:
         raise CheckpointError(f"{path}: tensor {e} is missing for a {family} model with {cfg.n_layers} "
                               f"layers") from None
@@ -204,9 +266,9 @@ def to_hf(family: str, cfg: Any, params: dict, path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     params = tree.map_leaves(lambda t: t.detach().cpu(), params)
-    _require(family in _LAYOUTS, f"model family {family!r}: fxmega exports {', '.join(_LAYOUTS)} (and bert's "
-                                 f"checkpoints are read, not written)")
-    sd = _LAYOUTS[family][1](params, cfg)
+    _require(family in ("gpt", "llama", "mixtral"), f"model family {family!r}: fxmega exports gpt, llama and "
+                                                     f"mixtral (and bert's checkpoints are read, not written)")
+    sd = _LAYOUTS[hf_kind(family, cfg)][1](params, cfg)
     if family == "gpt":
         sd.pop("lm_head.weight")  # tied to wte: transformers re-ties it on load
     dtype = next(iter(sd.values())).dtype

@@ -72,16 +72,24 @@ def gpt2_to_hf(params: dict, cfg: gpt.Config) -> dict[str, torch.Tensor]:
 
 def _llama_block_from_hf(sd: dict[str, torch.Tensor], p: str, cfg: llama.Config) -> dict:
     """A Llama block's norms and attention from the tensors under prefix ``p``."""
-    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    attn = _llama_attn(sd, p, cfg)
+    if cfg.qk_norm:  # Qwen3
+        attn |= {"q_norm": {"scale": sd[f"{p}.self_attn.q_norm.weight"]},
+                 "k_norm": {"scale": sd[f"{p}.self_attn.k_norm.weight"]}}
     return {
         "attn_norm": {"scale": sd[f"{p}.input_layernorm.weight"]},
-        "attn": {
-            "wq": sd[f"{p}.self_attn.q_proj.weight"].t().reshape(d, h, hd),
-            "wk": sd[f"{p}.self_attn.k_proj.weight"].t().reshape(d, kv, hd),
-            "wv": sd[f"{p}.self_attn.v_proj.weight"].t().reshape(d, kv, hd),
-            "wo": sd[f"{p}.self_attn.o_proj.weight"].t().reshape(h, hd, d),
-        },
+        "attn": attn,
         "mlp_norm": {"scale": sd[f"{p}.post_attention_layernorm.weight"]},
+    }
+
+
+def _llama_attn(sd: dict[str, torch.Tensor], p: str, cfg: llama.Config) -> dict:
+    d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    return {
+        "wq": sd[f"{p}.self_attn.q_proj.weight"].t().reshape(d, h, hd),
+        "wk": sd[f"{p}.self_attn.k_proj.weight"].t().reshape(d, kv, hd),
+        "wv": sd[f"{p}.self_attn.v_proj.weight"].t().reshape(d, kv, hd),
+        "wo": sd[f"{p}.self_attn.o_proj.weight"].t().reshape(h, hd, d),
     }
 
 
@@ -99,11 +107,7 @@ def llama_from_hf(sd: dict[str, torch.Tensor], cfg: llama.Config) -> dict:
     blocks = []
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}"
-        blocks.append(_llama_block_from_hf(sd, p, cfg) | {"mlp": {
-            "w_gate": sd[f"{p}.mlp.gate_proj.weight"].t(),
-            "w_up": sd[f"{p}.mlp.up_proj.weight"].t(),
-            "w_down": sd[f"{p}.mlp.down_proj.weight"].t(),
-        }})
+        blocks.append(_llama_block_from_hf(sd, p, cfg) | _dense_mlp_from_hf(sd, p))
     return _llama_outer_from_hf(sd, blocks)
 
 
@@ -125,7 +129,8 @@ def mixtral_from_hf(sd: dict[str, torch.Tensor], cfg: mixtral.Config) -> dict:
 
 def _llama_block_to_hf(b: dict, p: str, d: int) -> dict[str, torch.Tensor]:
     a = b["attn"]
-    return {
+    norms = {f"{p}.self_attn.{n}.weight": a[n]["scale"] for n in ("q_norm", "k_norm") if n in a}
+    return norms | {
         f"{p}.input_layernorm.weight": b["attn_norm"]["scale"],
         f"{p}.post_attention_layernorm.weight": b["mlp_norm"]["scale"],
         f"{p}.self_attn.q_proj.weight": a["wq"].reshape(d, -1).t(),
@@ -147,12 +152,8 @@ def llama_to_hf(params: dict, cfg: llama.Config) -> dict[str, torch.Tensor]:
     """A ``LlamaForCausalLM`` state dict from fxmega Llama params."""
     sd = _llama_outer_to_hf(params)
     for i, b in enumerate(params["blocks"]):
-        p, m = f"model.layers.{i}", b["mlp"]
-        sd |= _llama_block_to_hf(b, p, cfg.d_model) | {
-            f"{p}.mlp.gate_proj.weight": m["w_gate"].t(),
-            f"{p}.mlp.up_proj.weight": m["w_up"].t(),
-            f"{p}.mlp.down_proj.weight": m["w_down"].t(),
-        }
+        p = f"model.layers.{i}"
+        sd |= _llama_block_to_hf(b, p, cfg.d_model) | _dense_mlp_to_hf(b["mlp"], p)
     return {k: v.contiguous() for k, v in sd.items()}
 
 
@@ -166,4 +167,51 @@ def mixtral_to_hf(params: dict, cfg: mixtral.Config) -> dict[str, torch.Tensor]:
         for e in range(cfg.moe.n_experts):
             sd |= {f"{moe}.experts.{e}.w1.weight": m["w_gate"][e].t(), f"{moe}.experts.{e}.w3.weight": m["w_up"][e].t(),
                    f"{moe}.experts.{e}.w2.weight": m["w_down"][e].t()}
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+def _dense_mlp_from_hf(sd: dict[str, torch.Tensor], p: str) -> dict:
+    return {"mlp": {"w_gate": sd[f"{p}.mlp.gate_proj.weight"].t(), "w_up": sd[f"{p}.mlp.up_proj.weight"].t(),
+                    "w_down": sd[f"{p}.mlp.down_proj.weight"].t()}}
+
+
+def _dense_mlp_to_hf(m: dict, p: str) -> dict[str, torch.Tensor]:
+    return {f"{p}.mlp.gate_proj.weight": m["w_gate"].t(), f"{p}.mlp.up_proj.weight": m["w_up"].t(),
+            f"{p}.mlp.down_proj.weight": m["w_down"].t()}
+
+
+def qwen3_moe_from_hf(sd: dict[str, torch.Tensor], cfg: mixtral.Config) -> dict:
+    """fxmega params (the mixtral family with ``qk_norm``) from a ``Qwen3MoeForCausalLM``
+    checkpoint: per expert ``gate_proj``, ``up_proj`` ``[f, d]`` and ``down_proj`` ``[d, f]``
+    under ``mlp.experts``, the router ``mlp.gate [E, d]``; the first ``first_dense_layers``
+    (Qwen's ``mlp_only_layers``) a dense ``mlp``."""
+    blocks = []
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}"
+        if not cfg.moe.is_moe_layer(i):
+            blocks.append(_llama_block_from_hf(sd, p, cfg) | _dense_mlp_from_hf(sd, p))
+            continue
+        experts = {w: torch.stack([sd[f"{p}.mlp.experts.{e}.{w}.weight"].t() for e in range(cfg.moe.n_experts)])
+                   for w in ("gate_proj", "up_proj", "down_proj")}
+        blocks.append(_llama_block_from_hf(sd, p, cfg) | {"moe": {
+            "router": sd[f"{p}.mlp.gate.weight"].t(), "w_gate": experts["gate_proj"], "w_up": experts["up_proj"],
+            "w_down": experts["down_proj"]}})
+    return _llama_outer_from_hf(sd, blocks)
+
+
+def qwen3_moe_to_hf(params: dict, cfg: mixtral.Config) -> dict[str, torch.Tensor]:
+    """A ``Qwen3MoeForCausalLM`` checkpoint (the Hub's per-expert layout) from fxmega params."""
+    sd = _llama_outer_to_hf(params)
+    for i, b in enumerate(params["blocks"]):
+        p = f"model.layers.{i}"
+        sd |= _llama_block_to_hf(b, p, cfg.d_model)
+        if "mlp" in b:
+            sd |= _dense_mlp_to_hf(b["mlp"], p)
+            continue
+        m = b["moe"]
+        sd[f"{p}.mlp.gate.weight"] = m["router"].t()
+        for e in range(cfg.moe.n_experts):
+            sd |= {f"{p}.mlp.experts.{e}.gate_proj.weight": m["w_gate"][e].t(),
+                   f"{p}.mlp.experts.{e}.up_proj.weight": m["w_up"][e].t(),
+                   f"{p}.mlp.experts.{e}.down_proj.weight": m["w_down"][e].t()}
     return {k: v.contiguous() for k, v in sd.items()}
