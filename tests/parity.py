@@ -33,6 +33,7 @@ def record(run: Recordable, steps: int) -> dict:
         if step == 0:
             first_moment = {p: t.detach().cpu().clone() for p, t in tree.items(run.full_opt_state("exp_avg"))}
     return {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
+            "router": [{k: v for k, v in m.items() if k.startswith("moe_")} for m in metrics],  # MoE statistics
             "params": {p: t.detach().cpu().clone() for p, t in tree.items(run.full_params())},
             "first_moment": first_moment}
 

@@ -4,6 +4,8 @@ how the global batch is split into micro batches."""
 
 from __future__ import annotations
 
+import unittest.mock
+
 import pytest
 import torch
 
@@ -11,6 +13,7 @@ from fxmega.config import load, override
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.models import mixtral
+from fxmega.ops import experts, moe, routing
 from fxmega.planning.report import estimate_plan
 from fxmega.planning.summary import summary
 from fxmega.sharding.mesh import MeshSpec, check_model_mesh
@@ -157,12 +160,27 @@ def moe_runs(names: list[str]) -> dict | None:
     return out if torch.distributed.get_rank() == 0 else None
 
 
+def assert_router_stats_match(got: dict, want: dict, name: str) -> None:
+    """A mesh's router statistics against one device's, step by step: sums of per-sequence
+    and per-micro-batch values, the same groups of sequences on every mesh here (the data
+    ranks' micro batches are one device's micro batches), added in other orders."""
+    if not got["router"][0]:
+        assert name.startswith("pp") or "_pp" in name, f"{name}: no router statistics"  # not collected under pp
+        return
+    for step, (g, w) in enumerate(zip(got["router"], want["router"])):
+        assert set(g) == set(w) and w, (name, step)
+        # fp32 sums of at most 16 terms in another order: 16 x 6e-8 relative, far below 1e-5
+        for key in w:
+            assert g[key] == pytest.approx(w[key], rel=1e-5, abs=1e-7), (name, step, key)
+
+
 @pytest.mark.slow
 def test_moe_meshes_match_one_device():
     want = record(Run(_mesh_config()), MOE_STEPS)
     got = run_ranks(2, "tests.test_mixtral:moe_runs", list(MOE_RUNS))[0]
     for name in MOE_RUNS:
         assert_matches_one_device(got[name], want, _mesh_config(), name)
+        assert_router_stats_match(got[name], want, name)
 
 
 # ---- expert parallelism: ep folded over the data ranks ------------------------------------------
@@ -213,6 +231,49 @@ def test_expert_parallel_meshes_match_one_device(ranks):
         if extra not in wants:
             wants[extra] = record(Run(_ep_config(None, *extra)), MOE_STEPS)
         assert_matches_one_device(got[name], wants[extra], _ep_config(None, *extra), name)
+        assert_router_stats_match(got[name], wants[extra], name)
         ep = MeshSpec.parse(EP_RUNS[name][1]["mesh"]).size("ep")
         assert got[name]["expert_rows"] == {4 // ep}, name  # each rank holds its own experts only ...
         assert got[name]["exchange_groups"] == {"ep"}, name  # ... reached by all-to-all over ep
+
+
+def test_router_statistics_equal_a_reference_from_the_routing():
+    # the statistics a compiled step reports (capacity 1.0, so pairs are dropped) against
+    # ones computed here from each MoE layer's input, routed again with fxmega.ops.routing
+    # and put through the capacity buffers (experts.with_capacity counts what it drops)
+    cfg = _moe_config("model.moe.capacity_factor=1.0", "train.micro_batch_size=4")  # 2 micro batches
+    got = Run(cfg).do_step()
+    seen = []
+    original = moe.moe_ffn
+
+    def recording(p, h, settings, valid=None):
+        seen.append((tree.map_leaves(lambda t: t.detach().clone(), p), h.detach(), valid))  # before the update
+        return original(p, h, settings, valid)
+
+    with unittest.mock.patch.object(moe, "moe_ffn", recording):
+        Run(override(cfg, ["train.compile=false"])).do_step()
+    settings = cfg.model.moe
+    want = dict.fromkeys(("balancing", "z", "dropped", "pairs", "max", "min", "sequences"), 0.0)
+    for p, h, valid in seen:
+        b, s, d = h.shape
+        r = routing.route(h.reshape(-1, d), p["router"], settings)
+        want["balancing"] += float(routing.balancing_loss(r, b, settings, valid).sum())
+        want["z"] += float(routing.z_loss(r, b, valid).sum())
+        rows = experts.capacity(s, settings.top_k, settings.n_experts, settings.capacity_factor)
+        out = experts.with_capacity(h, r.experts.view(b, s, -1), r.weights.view(b, s, -1), p["w_gate"], p["w_up"],
+                                    p["w_down"], rows)
+        want["dropped"] += float(out.dropped)
+        want["pairs"] += r.experts.numel()
+        load = torch.bincount(r.experts.reshape(-1), minlength=settings.n_experts).float()
+        want["max"] += float(load.max() / load.mean())
+        want["min"] += float(load.min() / load.mean())
+        want["sequences"] += b
+    n = len(seen)
+    assert n == 2 * cfg.model.n_layers  # every layer has experts; each micro batch measured apart
+    assert want["dropped"] > 0  # capacity 1.0 drops some pairs: the fraction is tested, not only 0
+    # fp32 values summed over a handful of layers and sequences: 1e-5 relative is far above it
+    assert got["moe_balancing_loss"] == pytest.approx(want["balancing"] / want["sequences"], rel=1e-5)
+    assert got["moe_z_loss"] == pytest.approx(want["z"] / want["sequences"], rel=1e-5)
+    assert got["moe_dropped_fraction"] == pytest.approx(want["dropped"] / want["pairs"], rel=1e-6)
+    assert got["moe_load_max"] == pytest.approx(want["max"] / n, rel=1e-6)
+    assert got["moe_load_min"] == pytest.approx(want["min"] / n, rel=1e-6)

@@ -52,6 +52,9 @@ class Config(llama.Config):
                               f"{self.n_layers} layers with experts")
 
 
+# Its MoE layers report their routers' statistics to a step that meters (fxmega.ops.aux_loss).
+ROUTER_METER = True
+
 # Each sequence's balancing terms need the whole sequence on one rank: not split over cp yet.
 CONTEXT_PARALLEL = False
 

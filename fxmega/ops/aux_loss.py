@@ -17,6 +17,14 @@ generation) nothing is attached.
 
 The scale is a tensor read from a module-level slot: ``torch.compile`` lifts it as a graph
 input, so a new value each step does not recompile.
+
+Router statistics leave the step the same way, backwards: ``measure(x, stats)`` hands a
+layer's ``ROUTER_STATS`` to the backward as the gradient of the step's *meter* (a zero
+vector the step differentiates besides the parameters, set with ``metering``). Autograd sums
+them over layers and the step over micro batches and data ranks, on every path that
+differentiates the step's loss: recomputed blocks, ZeRO-3's gathered pieces, tp. A side
+channel (a list the layer appends to) cannot: dynamo refuses outer mutations inside a
+recomputed region.
 """
 
 from __future__ import annotations
@@ -30,6 +38,13 @@ from fxmega.ops.recompute import backward_phase
 from fxmega.sharding.layout import shard
 
 _SCALE: list[torch.Tensor | None] = [None]
+_METER: list[torch.Tensor | None] = [None]
+
+# What one MoE layer reports per micro batch (sums, so that layers, micro batches and data
+# ranks add up): its per-sequence balancing loss and z-loss summed over sequences, the
+# sequences, the (token, expert) pairs dropped over capacity and all pairs, the largest and
+# smallest expert load over the mean load, and 1 (how many loads were measured)
+ROUTER_STATS = ("balancing", "z_loss", "sequences", "dropped", "pairs", "load_max", "load_min", "loads")
 
 
 @contextmanager
@@ -41,6 +56,40 @@ def gradient_scale(scale: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         _SCALE[0] = previous
+
+
+@contextmanager
+def metering(meter: torch.Tensor | None) -> Iterator[None]:
+    """Inside, ``measure`` hands statistics to ``meter`` (a leaf that requires grad) as its
+    gradient; None: nothing is measured."""
+    previous = _METER[0]
+    _METER[0] = meter
+    try:
+        yield
+    finally:
+        _METER[0] = previous
+
+
+def measure(x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """``x``, carrying ``stats`` (one value per ``ROUTER_STATS`` name) into the backward as
+    the meter's gradient when a step meters."""
+    meter = _METER[0]
+    if meter is None or not torch.is_grad_enabled():
+        return x
+    # shard: the meter replicated over tp, like the statistics of the tp-replicated routing
+    return _GradientInto.apply(x, shard(meter, None), stats.to(meter.dtype))
+
+
+def router_report(stats: torch.Tensor) -> dict[str, float]:
+    """The step's summed ``stats`` as the numbers a log shows: the balancing loss and z-loss
+    per sequence and layer (before their coefficients), the largest and smallest expert load
+    over the mean (per layer and micro batch, averaged), the fraction of pairs dropped."""
+    v = dict(zip(ROUTER_STATS, stats.detach().double().cpu().tolist()))
+    if not v["loads"]:
+        return {}
+    return {"moe_balancing_loss": v["balancing"] / v["sequences"], "moe_z_loss": v["z_loss"] / v["sequences"],
+            "moe_load_max": v["load_max"] / v["loads"], "moe_load_min": v["load_min"] / v["loads"],
+            "moe_dropped_fraction": v["dropped"] / v["pairs"]}
 
 
 class _GradientInto(torch.autograd.Function):

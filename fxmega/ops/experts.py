@@ -93,6 +93,16 @@ class Dispatch(NamedTuple):
     dropped: torch.Tensor  # 0-dim fp32: pairs over capacity
 
 
+def queue_slots(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For ``experts [G, T, k]``: the pairs' experts in queue order ``[G, k T]`` (first
+    choices of every token, then second choices, ...) and each pair's place in its expert's
+    queue within its group; a pair is kept when its place is below the capacity."""
+    g, t, k = experts.shape
+    by_choice = experts.transpose(1, 2).reshape(g, k * t)
+    one_hot = F.one_hot(by_choice, n_experts)
+    return by_choice, ((one_hot.cumsum(1) - 1) * one_hot).sum(-1)
+
+
 def capacity_dispatch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, n_experts: int,
                       capacity_rows: int) -> Dispatch:
     """``x [G, T, d]``'s tokens into ``n_experts`` buffers of ``capacity_rows`` per group:
@@ -101,9 +111,7 @@ def capacity_dispatch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Ten
     is dropped. ``experts``, ``weights [G, T, k]``."""
     g, t, k = experts.shape
     d = x.shape[-1]
-    by_choice = experts.transpose(1, 2).reshape(g, k * t)  # first choices of every token, then second, ...
-    one_hot = F.one_hot(by_choice, n_experts)
-    slot = ((one_hot.cumsum(1) - 1) * one_hot).sum(-1)  # each pair's place in its expert's queue in its group
+    by_choice, slot = queue_slots(experts, n_experts)
     kept = slot < capacity_rows
     group = torch.arange(g, device=x.device).unsqueeze(-1)
     # buffers ordered [expert, group, slot]; dropped pairs go to one spare row, thrown away

@@ -159,13 +159,27 @@ def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = Non
     run = local(_routed_experts, ((None, "embed"), (None, None), (None, None), EXPERT_IN, EXPERT_IN, EXPERT_OUT,
                                   None, None, None), (None, "embed"), partial=True)
     y = run(flat, r.experts, r.weights, p["w_gate"], p["w_up"], p["w_down"], rows, b, moe.n_experts).view(b, s, d)
+    load = routing.expert_counts(r.experts.view(b, s, -1), moe.n_experts, valid).sum(0)
     if bias is not None:  # the bias's "gradient": this micro batch's tokens per expert
-        y = aux_loss.carry(y, bias, routing.expert_counts(r.experts.view(b, s, -1), moe.n_experts, valid).sum(0))
+        y = aux_loss.carry(y, bias, load)
+    balancing, z = routing.balancing_loss(r, b, moe, valid), routing.z_loss(r, b, valid)
     if moe.aux_loss_coeff or moe.z_loss_coeff:
-        per_sequence = r.probs.new_zeros(b)
-        if moe.aux_loss_coeff:
-            per_sequence = per_sequence + moe.aux_loss_coeff * routing.balancing_loss(r, b, moe, valid)
-        if moe.z_loss_coeff:
-            per_sequence = per_sequence + moe.z_loss_coeff * routing.z_loss(r, b, valid)
+        per_sequence = moe.aux_loss_coeff * balancing + moe.z_loss_coeff * z
         y = aux_loss.attach(y, (per_sequence * routing.sequence_tokens(s, b, valid, per_sequence)).sum())
-    return y
+    return aux_loss.measure(y, _router_stats(r, load, balancing, z, rows, b, moe))
+
+
+def _router_stats(r: routing.Routing, load: torch.Tensor, balancing: torch.Tensor, z: torch.Tensor, rows: int,
+                  sequences: int, moe: MoE) -> torch.Tensor:
+    """This layer's ``aux_loss.ROUTER_STATS`` for one micro batch (see there); the pairs
+    dropped are those a capacity of ``rows`` per expert and sequence leaves out."""
+    pairs = r.experts.numel()
+    if rows:  # a token picks an expert once: what a sequence sends an expert beyond its rows is dropped
+        sent = routing.expert_counts(r.experts.view(sequences, -1, moe.top_k), moe.n_experts)
+        dropped = (sent - rows).clamp(min=0).sum()
+    else:
+        dropped = load.new_zeros(())
+    mean = load.mean()
+    one = load.new_ones(())
+    return torch.stack([balancing.sum(), z.sum(), one * sequences, dropped, one * pairs, load.max() / mean,
+                        load.min() / mean, one])

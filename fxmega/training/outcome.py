@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from fxmega.core.errors import NonFiniteError
+from fxmega.ops.aux_loss import router_report
 from fxmega.training.state import TrainState
 
 
@@ -30,6 +31,8 @@ def settle(state: TrainState, metrics: dict[str, torch.Tensor], lr: float, loss_
     itself is already counted): returns ``loss``, ``lr``, ``grad_norm`` (and ``loss_scale``,
     ``skipped``). ``say`` prints on the ranks that speak (rank 0)."""
     out = {"loss": float(metrics["loss"]), "lr": lr, "grad_norm": float(metrics["grad_norm"])}
+    if "router" in metrics:  # a mixture of experts: its routers' statistics
+        out |= router_report(metrics["router"])
     finite = bool(metrics["finite"])
     if state.scaler is not None:
         state.scaler.update(finite)

@@ -22,7 +22,7 @@ from fxmega.inference.generate import sample_text
 from fxmega.inference.generate_parallel import generate_on_mesh
 from fxmega.models import family_name, loss_by_pieces, model_for
 from fxmega.models.registry import ModelFamily
-from fxmega.ops import kernels, recompute
+from fxmega.ops import aux_loss, kernels, recompute
 from fxmega.ops.init import init_params
 from fxmega.ops.objectives import global_count
 from fxmega.sharding.runtime import Parallel
@@ -116,6 +116,8 @@ class Run:
         self._checkpointer: checkpoint.Checkpointer | None = None
         zero3_regather = parallel is not None and parallel.gathers_params and parallel.regather
         options = recompute.inductor_options(cfg.compute.recompute != "none" or zero3_regather)
+        # a mixture of experts reports its routers' statistics through the step (aux_loss.measure)
+        meter_size = len(aux_loss.ROUTER_STATS) if getattr(self.model, "ROUTER_METER", False) else 0
         if self.pipelined:
             self.train_step = PipelineStep(parallel, cfg.model, self.model, self.model.objective(cfg.model),
                                            self.params, decay, hyper,
@@ -127,11 +129,14 @@ class Run:
             self.loss_sum = loss_sum  # (flat params, batch) -> summed loss: what the steps differentiate
             self.train_step = TrainStep(loss_sum, decay, hyper, cfg.optim.clip_grad, compile=t.compile,
                                         parallel=parallel, backend=t.compile_backend, options=options,
-                                        sign_rates=sign_rates)
+                                        sign_rates=sign_rates, meter_size=meter_size)
             self.eval_step = EvalStep(loss_sum, compile=t.compile, backend=t.compile_backend)
         self._local_paths = tree.paths(self.local_specs)  # what a non-finite report names
         self._rank = 0 if parallel is None else parallel.rank
         self._say = log.info if self._rank == 0 else (lambda text: None)
+        if meter_size and self.pipelined:
+            self._say("note: the routers' statistics (load, balancing loss, drops) are not collected under pp yet; "
+                      "the balancing terms still train")
         self.data = data if data is not None else build_data(cfg, self.model.objective(cfg.model).name)
         self.train_data, self.valid_data, self.tokenizer = self.data.train, self.data.valid, self.data.tokenizer
 

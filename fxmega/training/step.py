@@ -74,8 +74,9 @@ class TrainStep:
 
     def __init__(self, loss_sum_fn: LossSumFn, decay: list[bool], hyper: AdamWHyper, clip_grad: float,
                  compile: bool = True, parallel: Parallel | None = None, backend: str = "inductor",
-                 options: dict | None = None, sign_rates: tuple[float, ...] = ()) -> None:
+                 options: dict | None = None, sign_rates: tuple[float, ...] = (), meter_size: int = 0) -> None:
         self.loss_sum_fn = loss_sum_fn
+        self.meter_size = meter_size  # > 0: the model's layers report statistics (``aux_loss.measure``)
         self.update = Update(hyper, decay, clip_grad, sign_rates)
         self.parallel = parallel
         self.compiled = compile
@@ -90,28 +91,33 @@ class TrainStep:
 
     # -- the two graphs ---------------------------------------------------------------
     def _loss_and_grads(self, flat_params: list[torch.Tensor], batch: dict[str, torch.Tensor],
-                        inv_tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                        inv_tokens: torch.Tensor, meter: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         # The parameters are leaf tensors that require grad, so no requires_grad_() is
-        # traced (torch 2.11's dynamo cannot trace it; 2.13's can).
-        with aux_loss.gradient_scale(inv_tokens):  # auxiliary losses (MoE) weigh like the main loss
+        # traced (torch 2.11's dynamo cannot trace it; 2.13's can). So is the meter.
+        with aux_loss.gradient_scale(inv_tokens), aux_loss.metering(meter):  # MoE terms weigh like the loss
             loss_sum = self.loss_sum_fn(flat_params, batch)
+        wrt = flat_params if meter is None else [*flat_params, meter]
         with backward_phase():
-            grads = list(torch.autograd.grad(loss_sum * inv_tokens, flat_params))
+            grads = list(torch.autograd.grad(loss_sum * inv_tokens, wrt))
+        stats = grads.pop().detach() if meter is not None else loss_sum.new_zeros(0)  # the layers' statistics, summed
         if self.parallel is not None:
             grads = self.parallel.grads.micro_grads(grads)
-        return loss_sum.detach(), grads
+        return loss_sum.detach(), grads, stats
 
     def _accumulate_fn(self, flat_params: list[torch.Tensor], accum: list[torch.Tensor],
-                       batch: dict[str, torch.Tensor], inv_tokens: torch.Tensor) -> torch.Tensor:
-        loss_sum, grads = self._loss_and_grads(flat_params, batch, inv_tokens)
+                       batch: dict[str, torch.Tensor], inv_tokens: torch.Tensor,
+                       meter: torch.Tensor | None) -> list[torch.Tensor]:
+        loss_sum, grads, stats = self._loss_and_grads(flat_params, batch, inv_tokens, meter)
         with torch.no_grad():
             torch._foreach_add_(accum, grads)
-        return loss_sum
+        return [loss_sum, stats]
 
     def _update_fn(self, flat_params: list[torch.Tensor], opt_state: dict, accum: list[torch.Tensor] | None,
                    batch: dict[str, torch.Tensor], inv_tokens: torch.Tensor, lr: torch.Tensor,
-                   norm_weights: torch.Tensor | None, unscale: torch.Tensor | None) -> list[torch.Tensor]:
-        loss_sum, grads = self._loss_and_grads(flat_params, batch, inv_tokens)
+                   norm_weights: torch.Tensor | None, unscale: torch.Tensor | None,
+                   meter: torch.Tensor | None) -> list[torch.Tensor]:
+        loss_sum, grads, stats = self._loss_and_grads(flat_params, batch, inv_tokens, meter)
         par = self.parallel
         with torch.no_grad():
             if accum is not None:
@@ -119,7 +125,7 @@ class TrainStep:
                 grads = accum
             if par is not None:
                 loss_sum = par.groups.sum_over_tokens(loss_sum)
-        return [loss_sum, *self.update(flat_params, grads, opt_state, lr, par, norm_weights, unscale)]
+        return [loss_sum, stats, *self.update(flat_params, grads, opt_state, lr, par, norm_weights, unscale)]
 
     # -- one optimizer step -----------------------------------------------------------
     def __call__(self, params: tree.Tree, opt_state: dict, micro_batches: list[dict[str, torch.Tensor]],
@@ -147,17 +153,25 @@ class TrainStep:
         if self.parallel is not None and self._norm_weights is None:
             self._norm_weights = self.parallel.grads.norm_weights(device)
         loss_sum = torch.zeros((), device=device)
+        meter = torch.zeros(self.meter_size, device=device, requires_grad=True) if self.meter_size else None
+        stats = torch.zeros(self.meter_size, device=device)
         accum = None
         if len(micro_batches) > 1:
             accum = self._accumulation_buffers(flat)
             for batch in micro_batches[:-1]:
-                loss_sum = loss_sum + self._accumulate(flat, accum, batch, grad_weight)
+                micro_loss, micro_stats = self._accumulate(flat, accum, batch, grad_weight, meter)
+                loss_sum, stats = loss_sum + micro_loss, stats + micro_stats
         if self.parallel is not None and len(micro_batches) > 1:
             loss_sum = self.parallel.groups.sum_over_tokens(loss_sum)  # the update graph sums only its own
-        last_loss, grad_norm, finite, bad = self._update(flat, opt_state, accum, micro_batches[-1], grad_weight,
-                                                         lr_t, self._norm_weights, unscale)
+        last_loss, last_stats, grad_norm, finite, bad = self._update(flat, opt_state, accum, micro_batches[-1],
+                                                                     grad_weight, lr_t, self._norm_weights, unscale,
+                                                                     meter)
         loss = (loss_sum + last_loss) * inv_tokens
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite, "nonfinite_grads": bad}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "nonfinite_grads": bad}
+        if meter is not None:  # every data rank's layers and micro batches (tp ranks hold the same)
+            stats = stats + last_stats
+            metrics["router"] = stats if self.parallel is None else self.parallel.groups.sum_over_tokens(stats)
+        return params, opt_state, metrics
 
     def _accumulation_buffers(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
         if self._accum_buffers is None:

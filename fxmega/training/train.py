@@ -135,7 +135,7 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
             peak_mem = record["peak_memory_bytes"]
             log.info(f"step {step:>6} | loss {m['loss']:.4f} | lr {m['lr']:.3e} | grad norm {m['grad_norm']:.3f} | "
                      f"{avg['tokens_per_s']:,.0f} tokens/s | MFU {100 * avg['mfu']:.2f}% | "
-                     f"peak mem {peak_mem / 2**30:.2f} GiB{straggler}")
+                     f"peak mem {peak_mem / 2**30:.2f} GiB{straggler}{router_line(m)}")
         if t.save_dir and ((t.save_interval and step % t.save_interval == 0) or step == t.steps):
             result.checkpoint = run.save(t.save_dir)
             log.info(f"step {step}: saved checkpoint {result.checkpoint}")
@@ -148,3 +148,11 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
         if main:  # the sample is the command's output, not a message
             print("-" * 30 + " sample " + "-" * 30 + f"\n{result.sample}\n" + "-" * 68, flush=True)
     return result
+
+
+def router_line(m: dict) -> str:
+    """A mixture of experts' router statistics for the log line (this step's), or nothing."""
+    if "moe_load_max" not in m:
+        return ""
+    return (f" | experts: load max/min {m['moe_load_max']:.2f}/{m['moe_load_min']:.2f} of mean, dropped "
+            f"{100 * m['moe_dropped_fraction']:.1f}%, balancing {m['moe_balancing_loss']:.3f}, z {m['moe_z_loss']:.3f}")
