@@ -79,8 +79,9 @@ def test_experts_split_over_ep_and_the_rest_over_every_data_rank():
                   parse_mesh("dp=2,ep=2"), preset("megatron"))
     with pytest.raises(ConfigError, match="the ep axis splits the experts of a MoE layer"):
         make_plan(specs, parse_mesh("dp=2,ep=2"), Strategy({"expert": "tp", "embed": "ep"}))
-    with pytest.raises(ConfigError, match="zero 3 with ep=2 and an expert-data size of 2"):
-        make_plan(specs, parse_mesh("dp=4,ep=2"), preset("zero3"))
+    zero3 = make_plan(specs, parse_mesh("dp=4,ep=2"), preset("zero3")).params  # gathered over two groups
+    assert zero3["blocks.0.moe.w_up"].data_axes["param"] == ("dp",)
+    assert zero3["blocks.0.attn.wq"].data_axes["param"] == ("dp", "ep")
 
 
 def test_world_size_mismatch_names_both_numbers_and_a_command():

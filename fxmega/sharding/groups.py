@@ -2,7 +2,8 @@
 
 Groups are 1-D device meshes (several axes are flattened into one), made on first use and
 kept: a group must exist before a compiled step runs, since flattening a mesh does not
-trace. The data axes' group is made up front for that reason.
+trace (and making one inside a recomputed region is a side effect dynamo refuses). The data
+axes', the token axes' and ep's groups are made up front for that reason.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class ProcessGroups:
             self.group(self.data_axes)
         if self.token_axes:
             self.group(self.token_axes)
+        if mesh.size("ep") > 1:  # the experts' all-to-all, traced inside recomputed regions too
+            self.group(("ep",))
 
     def group(self, axes: tuple[str, ...]) -> DeviceMesh:
         """The process group (as a 1-D mesh) spanning ``axes``."""

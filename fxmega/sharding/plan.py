@@ -189,11 +189,6 @@ def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy, pipeline: Pi
             raise ConfigError(f"mesh {mesh.describe()}: ep={ep} splits the experts of MoE layers, and no parameter "
                               f"is split over ep (a model without experts, or rules without 'expert': 'ep'); "
                               f"drop ep from --mesh (its ranks are data ranks already) or map 'expert' to 'ep'")
-        gathered = {p.data_axes["param"] for p in plan.params.values() if p.data_axes["param"]}
-        if len(gathered) > 1:
-            raise ConfigError(f"zero {zero} with ep={ep} and an expert-data size of {mesh.size('dp')}: dense "
-                              f"parameters would be gathered over dp x ep and experts over dp alone, two groups per "
-                              f"block, which fxmega does not do yet; use --zero 1 or 2, or dp equal to ep")
         plan.notes.append(f"ep={ep}: {len(experts)} expert tensors split over ep (each ep rank 1/{ep} of the experts), "
                           f"tokens sent to their experts' ranks and back by all-to-all; the batch is split over "
                           f"all {mesh.data_size} data ranks")

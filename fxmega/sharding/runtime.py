@@ -71,16 +71,14 @@ class Parallel:
         self.activations = (ActivationLayouts(plan, tp_mesh, self.context, self.groups)
                             if tp_mesh is not None or self.context is not None or exchanges else None)
         self.grads = GradientSync(self.groups, self.shards.layouts, bucket_numel, self.reduce_dtype)
-        param_axes = {lay.data_axes["param"] for lay in self.shards.layouts if lay.data_axes["param"]}
-        if len(param_axes) > 1:
-            raise ValueError(f"parameters sharded over different data axes {param_axes}")
-        gather_axes = next(iter(param_axes), ())
-        self._gather = (self.groups.size(gather_axes), self.groups.group(gather_axes)) if gather_axes else None
+        # ZeRO-3 / FSDP: the groups parameters are gathered over (experts, split over ep, over fewer ranks)
+        self._gathers = {axes: (axes, self.groups.size(axes), self.groups.group(axes))
+                         for axes in (lay.data_axes["param"] for lay in self.shards.layouts) if axes}
 
     @property
     def gathers_params(self) -> bool:
         """Whether pieces gather their parameters before running (ZeRO-3 / FSDP)."""
-        return self._gather is not None
+        return bool(self._gathers)
 
     def call(self, fn: Callable[..., Any], params: dict, lays: dict, *args: Any, recompute: str = "none") -> Any:
         """Run one piece of the model on this rank's parameters: cast to the compute dtype,
@@ -94,11 +92,11 @@ class Parallel:
                                                                       for t, lay in zip(ts, leaf_lays)])
 
         dims = [lay.zero_dim if lay.data_axes["param"] else None for lay in leaf_lays]
-        if self._gather is None or all(d is None for d in dims):
+        if all(d is None for d in dims):
             return checkpointed(lambda ps, *a: fn(rebuild(precision.cast(ps, self.compute_dtype)), *a),
                                 recompute)(leaves, *args)
-        world, group = self._gather
-        return gathered_call(fn, leaves, dims, world, group, rebuild, *args, regather=self.regather,
+        gathers = [self._gathers.get(lay.data_axes["param"]) for lay in leaf_lays]
+        return gathered_call(fn, leaves, dims, gathers, rebuild, *args, regather=self.regather,
                              recompute=recompute, dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
 
     def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

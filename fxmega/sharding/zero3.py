@@ -99,24 +99,33 @@ class GatherShards(torch.autograd.Function):
         return (None, None, None, None, None, *(s.to(d) for s, d in zip(shards, ctx.shard_dtypes)))
 
 
-def gathered_call(fn: Callable[..., Any], leaves: list[torch.Tensor], dims: list[int | None], world: int,
-                  group: Any, rebuild: Callable[[list[torch.Tensor]], Any], *args: Any, regather: bool = True,
-                  recompute: str = "none", dtype: torch.dtype = torch.float32,
+Gather = tuple[tuple[str, ...], int, Any]  # (the data axes, their size, their group)
+
+
+def gathered_call(fn: Callable[..., Any], leaves: list[torch.Tensor], dims: list[int | None],
+                  gathers: list[Gather | None], rebuild: Callable[[list[torch.Tensor]], Any], *args: Any,
+                  regather: bool = True, recompute: str = "none", dtype: torch.dtype = torch.float32,
                   reduce_dtype: torch.dtype = torch.float32) -> Any:
     """``fn(rebuild(full_leaves), *args)`` with the sharded leaves (``dims[i]`` not None)
-    gathered inside a checkpoint that recomputes the gather in the backward, and all leaves
-    cast to ``dtype``. ``recompute`` adds a block recompute mode to the same checkpoint.
+    gathered over ``gathers[i]`` (``(axes, world, group)``; one collective per group: under
+    expert parallelism a block's experts gather over fewer ranks than its dense weights)
+    inside a checkpoint that recomputes the gathers in the backward, and all leaves cast to
+    ``dtype``. ``recompute`` adds a block recompute mode to the same checkpoint.
     ``regather=False`` skips the checkpoint (the gathered parameters then stay alive until
     the backward; kept for measuring what the recompute saves)."""
-    sharded = [i for i, d in enumerate(dims) if d is not None]
+    by_group: dict[tuple[str, ...], list[int]] = {}  # the sharded leaves of each group's axes, in leaf order
+    for i, d in enumerate(dims):
+        if d is not None:
+            by_group.setdefault(gathers[i][0], []).append(i)
 
     def run(*flat: Any) -> Any:
         call_args, params = flat[:len(args)], list(flat[len(args):])
         params = [p if dims[i] is not None else p.to(dtype) for i, p in enumerate(params)]
-        if sharded:
-            full = GatherShards.apply(tuple(dims[i] for i in sharded), world, group, dtype, reduce_dtype,
-                                      *(params[i] for i in sharded))
-            for i, t in zip(sharded, full):
+        for members in by_group.values():
+            _, world, group = gathers[members[0]]
+            full = GatherShards.apply(tuple(dims[i] for i in members), world, group, dtype, reduce_dtype,
+                                      *(params[i] for i in members))
+            for i, t in zip(members, full):
                 params[i] = t
         return fn(rebuild(params), *call_args)
 
