@@ -119,12 +119,30 @@ def mixtral_from_hf(sd: dict[str, torch.Tensor], cfg: mixtral.Config) -> dict:
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}"
         moe = f"{p}.block_sparse_moe"
-        experts = {w: torch.stack([sd[f"{moe}.experts.{e}.{w}.weight"].t() for e in range(cfg.moe.n_experts)])
-                   for w in ("w1", "w2", "w3")}
-        blocks.append(_llama_block_from_hf(sd, p, cfg) | {"moe": {
-            "router": sd[f"{moe}.gate.weight"].t(), "w_gate": experts["w1"], "w_up": experts["w3"],
-            "w_down": experts["w2"]}})
+        blocks.append(_llama_block_from_hf(sd, p, cfg) | _moe_from_hf(sd, f"{moe}.experts", f"{moe}.gate.weight",
+                                                                      MIXTRAL_EXPERT, cfg.moe.n_experts))
     return _llama_outer_from_hf(sd, blocks)
+
+
+# the Hub's names of each expert's gate, up and down projections
+MIXTRAL_EXPERT = ("w1", "w3", "w2")
+QWEN_EXPERT = ("gate_proj", "up_proj", "down_proj")
+
+
+def _moe_from_hf(sd: dict[str, torch.Tensor], experts: str, router: str, names: tuple[str, str, str],
+                 n_experts: int) -> dict:
+    """A MoE layer from per-expert ``{experts}.{e}.{name}.weight`` tensors (``[f, d]``, the
+    down projection ``[d, f]``) and the router ``[E, d]``, stacked along the expert dim."""
+    gate, up, down = (torch.stack([sd[f"{experts}.{e}.{n}.weight"].t() for e in range(n_experts)]) for n in names)
+    return {"moe": {"router": sd[router].t(), "w_gate": gate, "w_up": up, "w_down": down}}
+
+
+def _moe_to_hf(m: dict, experts: str, router: str, names: tuple[str, str, str]) -> dict[str, torch.Tensor]:
+    """The inverse of ``_moe_from_hf``."""
+    out = {router: m["router"].t()}
+    for e in range(m["w_gate"].shape[0]):
+        out |= {f"{experts}.{e}.{n}.weight": m[w][e].t() for n, w in zip(names, ("w_gate", "w_up", "w_down"))}
+    return out
 
 
 def _llama_block_to_hf(b: dict, p: str, d: int) -> dict[str, torch.Tensor]:
@@ -161,12 +179,10 @@ def mixtral_to_hf(params: dict, cfg: mixtral.Config) -> dict[str, torch.Tensor]:
     """A ``MixtralForCausalLM`` checkpoint (the Hub's per-expert layout) from fxmega params."""
     sd = _llama_outer_to_hf(params)
     for i, b in enumerate(params["blocks"]):
-        p, m = f"model.layers.{i}", b["moe"]
+        p = f"model.layers.{i}"
         moe = f"{p}.block_sparse_moe"
-        sd |= _llama_block_to_hf(b, p, cfg.d_model) | {f"{moe}.gate.weight": m["router"].t()}
-        for e in range(cfg.moe.n_experts):
-            sd |= {f"{moe}.experts.{e}.w1.weight": m["w_gate"][e].t(), f"{moe}.experts.{e}.w3.weight": m["w_up"][e].t(),
-                   f"{moe}.experts.{e}.w2.weight": m["w_down"][e].t()}
+        sd |= _llama_block_to_hf(b, p, cfg.d_model) | _moe_to_hf(b["moe"], f"{moe}.experts", f"{moe}.gate.weight",
+                                                                 MIXTRAL_EXPERT)
     return {k: v.contiguous() for k, v in sd.items()}
 
 
@@ -191,11 +207,8 @@ def qwen3_moe_from_hf(sd: dict[str, torch.Tensor], cfg: mixtral.Config) -> dict:
         if not cfg.moe.is_moe_layer(i):
             blocks.append(_llama_block_from_hf(sd, p, cfg) | _dense_mlp_from_hf(sd, p))
             continue
-        experts = {w: torch.stack([sd[f"{p}.mlp.experts.{e}.{w}.weight"].t() for e in range(cfg.moe.n_experts)])
-                   for w in ("gate_proj", "up_proj", "down_proj")}
-        blocks.append(_llama_block_from_hf(sd, p, cfg) | {"moe": {
-            "router": sd[f"{p}.mlp.gate.weight"].t(), "w_gate": experts["gate_proj"], "w_up": experts["up_proj"],
-            "w_down": experts["down_proj"]}})
+        blocks.append(_llama_block_from_hf(sd, p, cfg) | _moe_from_hf(sd, f"{p}.mlp.experts", f"{p}.mlp.gate.weight",
+                                                                      QWEN_EXPERT, cfg.moe.n_experts))
     return _llama_outer_from_hf(sd, blocks)
 
 
@@ -208,10 +221,5 @@ def qwen3_moe_to_hf(params: dict, cfg: mixtral.Config) -> dict[str, torch.Tensor
         if "mlp" in b:
             sd |= _dense_mlp_to_hf(b["mlp"], p)
             continue
-        m = b["moe"]
-        sd[f"{p}.mlp.gate.weight"] = m["router"].t()
-        for e in range(cfg.moe.n_experts):
-            sd |= {f"{p}.mlp.experts.{e}.gate_proj.weight": m["w_gate"][e].t(),
-                   f"{p}.mlp.experts.{e}.up_proj.weight": m["w_up"][e].t(),
-                   f"{p}.mlp.experts.{e}.down_proj.weight": m["w_down"][e].t()}
+        sd |= _moe_to_hf(b["moe"], f"{p}.mlp.experts", f"{p}.mlp.gate.weight", QWEN_EXPERT)
     return {k: v.contiguous() for k, v in sd.items()}
