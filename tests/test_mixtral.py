@@ -4,6 +4,7 @@ how the global batch is split into micro batches."""
 
 from __future__ import annotations
 
+import re
 import unittest.mock
 
 import pytest
@@ -14,9 +15,10 @@ from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.models import mixtral
 from fxmega.ops import experts, moe, routing
-from fxmega.planning.report import estimate_plan
+from fxmega.planning.report import estimate_plan, plan_report
 from fxmega.planning.summary import summary
 from fxmega.sharding.mesh import MeshSpec, check_model_mesh
+from fxmega.sharding.plan import format_bytes
 from fxmega.sharding.strategy import plan_from
 from fxmega.training.run import Run
 from tests.multirank import run_ranks
@@ -279,3 +281,21 @@ def test_router_statistics_equal_a_reference_from_the_routing():
     assert got["moe_dropped_fraction"] == pytest.approx(want["dropped"] / want["pairs"], rel=1e-6)
     assert got["moe_load_max"] == pytest.approx(want["max"] / n, rel=1e-6)
     assert got["moe_load_min"] == pytest.approx(want["min"] / n, rel=1e-6)
+
+
+def test_plan_traces_an_expert_parallel_rank():
+    # run.py plan --rank R on dp=4,ep=2 (fake 4-rank group, meta tensors): the sharding table,
+    # no memory estimate (said, not skipped silently), and the rank's traced collectives:
+    # per MoE layer and micro batch 2 all-to-alls forward and 2 backward, each of the whole
+    # capacity buffers [E, sequences x rows, d] (dropless over ep: rows = the sequence length);
+    # expert gradients summed over the expert-data ranks (dp), the rest over dp x ep
+    cfg = _moe_config("parallel.mesh=dp=4,ep=2", "train.micro_batch_size=2")
+    text = plan_report(cfg, rank=1)
+    m, t = cfg.model, cfg.train
+    assert "memory and communication: not estimated, the mixtral family declares no BLOCK_SAVED" in text
+    rows = dict(re.findall(r"^  (\S+ +\S+) +\d+ +(.+?) *$", text, re.M))
+    a2a_bytes = 4 * m.n_layers * m.moe.n_experts * t.micro_batch_size * t.seq_len * m.d_model * 4
+    assert rows["ep     all_to_all_single"] == format_bytes(a2a_bytes)
+    assert re.search(rf"^  ep +all_to_all_single +{4 * m.n_layers} ", text, re.M)
+    experts = 3 * m.n_layers * (m.moe.n_experts // 2) * m.d_model * m.d_ff * 4  # this rank's half, fp32
+    assert rows["dp     all_reduce"] == format_bytes(experts)

@@ -14,7 +14,7 @@ from typing import Any
 
 from fxmega.core.errors import ConfigError
 from fxmega.core.kernel_dump import dump_kernels
-from fxmega.models import model_for
+from fxmega.models import family_name, model_for
 from fxmega.planning import fake
 from fxmega.sharding import estimate
 from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
@@ -161,10 +161,15 @@ def plan_report(cfg: Any, budget: int | None = None, rank: int | None = None, ve
     model = model_for(cfg.model)
     plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
     cfg.validate(plan.mesh.data_size)
-    est = estimate_plan(cfg, plan)
     lines = rank_layout(plan.mesh) + [""] + _collapse_blocks(plan.explain().splitlines(), cfg.model.n_layers)
-    lines += [""] + memory_table(est, budget)
-    lines += [""] + traffic_table(est)
+    if getattr(model, "BLOCK_SAVED", None) is None:
+        lines += ["", f"memory and communication: not estimated, the {family_name(cfg.model)} family declares no "
+                      f"BLOCK_SAVED (what a block keeps for its backward); the parameter and optimizer bytes per rank "
+                      f"are above, and --rank R traces a rank's step and counts its collectives"]
+    else:
+        est = estimate_plan(cfg, plan)
+        lines += [""] + memory_table(est, budget)
+        lines += [""] + traffic_table(est)
     if verify or rank is not None:
         lines += [""] + _on_fake_mesh(cfg, plan, rank, dump_dir)
     return "\n".join(lines)
