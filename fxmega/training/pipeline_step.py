@@ -74,7 +74,8 @@ class PipelineStep:
                  decay: list[bool],
                  hyper: AdamWHyper,
                  clip_grad: float, n_micro: int, compile: bool, device: torch.device,
-                 backend: str = "inductor", options: dict | None = None, sign_rates: tuple[float, ...] = ()) -> None:
+                 backend: str = "inductor", options: dict | None = None, sign_rates: tuple[float, ...] = (),
+                 meter_size: int = 0) -> None:
         plan, pipe = par.plan, par.plan.pipeline
         check_microbatches(pipe.schedule, n_micro, pipe.pp, pipe.virtual)
         self.par, self.cfg, self.model, self.objective, self.pipe = par, cfg, model, objective, pipe
@@ -86,6 +87,12 @@ class PipelineStep:
         self.flat = tree.leaves(params)
         self.compiled = compile
         self.compiled_stages = compile and pipe.schedule not in SPLIT_BACKWARD
+        # the layers' statistics (aux_loss.measure) reach a meter through the stages' backward,
+        # which accumulates into every leaf; a split backward differentiates named weights only
+        self.meter_size = meter_size if pipe.schedule not in SPLIT_BACKWARD else 0
+        if meter_size and not self.meter_size and par.rank == 0:
+            log.info(f"note: the {pipe.schedule} schedule's split backward hands gradients to named weights only: "
+                     f"the routers' statistics are not collected (the balancing terms still train)")
         if compile and not self.compiled_stages and par.rank == 0:  # said, not silently done
             log.info(f"note: the {pipe.schedule} schedule splits each backward into input and weight gradients by "
                      f"walking the stage's autograd graph, which a compiled stage hides: its stages run eagerly; "
@@ -219,14 +226,19 @@ class PipelineStep:
         unscale = None if loss_scale is None else torch.tensor(1.0 / loss_scale, device=self.device)
         for p in self.flat:
             p.grad = None
-        with aux_loss.gradient_scale(self._inv_tokens):  # auxiliary losses (MoE) weigh like the main loss
+        meter = torch.zeros(self.meter_size, device=self.device, requires_grad=True) if self.meter_size else None
+        with aux_loss.gradient_scale(self._inv_tokens), aux_loss.metering(meter):  # MoE terms weigh like the loss
             loss = self._run_schedule(micro_batches, train=True) / scale
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.flat]
         for p in self.flat:
             p.grad = None  # the update owns them now
         lr_t = torch.tensor(lr, dtype=torch.float32, device=self.device)
         grad_norm, finite, bad = self._update(self.flat, grads, opt_state, lr_t, self._norm_weights, unscale)
-        return params, opt_state, {"loss": loss, "grad_norm": grad_norm, "finite": finite, "nonfinite_grads": bad}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "nonfinite_grads": bad}
+        if meter is not None:  # each stage's layers, every micro batch; summed over stages and data ranks
+            stats = meter.grad if meter.grad is not None else torch.zeros_like(meter)
+            metrics["router"] = funcol.all_reduce(stats.detach(), "sum", self._loss_group)
+        return params, opt_state, metrics
 
     def eval_sum(self, micro_batches: list[dict[str, torch.Tensor]],
                  objective: Objective | None = None) -> torch.Tensor:

@@ -123,7 +123,7 @@ class Run:
                                            self.params, decay, hyper,
                                            cfg.optim.clip_grad, cfg.grad_accum_steps(data_size), t.compile,
                                            self.device, backend=t.compile_backend, options=options,
-                                           sign_rates=sign_rates)
+                                           sign_rates=sign_rates, meter_size=meter_size)
             self.eval_step = None
         else:
             self.loss_sum = loss_sum  # (flat params, batch) -> summed loss: what the steps differentiate
@@ -134,9 +134,6 @@ class Run:
         self._local_paths = tree.paths(self.local_specs)  # what a non-finite report names
         self._rank = 0 if parallel is None else parallel.rank
         self._say = log.info if self._rank == 0 else (lambda text: None)
-        if meter_size and self.pipelined:
-            self._say("note: the routers' statistics (load, balancing loss, drops) are not collected under pp yet; "
-                      "the balancing terms still train")
         self.data = data if data is not None else build_data(cfg, self.model.objective(cfg.model).name)
         self.train_data, self.valid_data, self.tokenizer = self.data.train, self.data.valid, self.data.tokenizer
 
