@@ -70,12 +70,23 @@ def metering(meter: torch.Tensor | None) -> Iterator[None]:
         _METER[0] = previous
 
 
+def in_step() -> bool:
+    """Whether a training step differentiates the forward running now (its scale is set):
+    the only time balancing terms, carried counts and statistics are used."""
+    return _SCALE[0] is not None and torch.is_grad_enabled()
+
+
+def measuring() -> bool:
+    """Whether a step meters the forward running now (``measure`` hands statistics on)."""
+    return _METER[0] is not None and torch.is_grad_enabled()
+
+
 def measure(x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
     """``x``, carrying ``stats`` (one value per ``ROUTER_STATS`` name) into the backward as
     the meter's gradient when a step meters."""
-    meter = _METER[0]
-    if meter is None or not torch.is_grad_enabled():
+    if not measuring():
         return x
+    meter = _METER[0]
     # shard: the meter replicated over tp, like the statistics of the tp-replicated routing
     return _GradientInto.apply(x, shard(meter, None), stats.to(meter.dtype))
 
@@ -112,15 +123,15 @@ def carry(x: torch.Tensor, param: torch.Tensor, value: torch.Tensor) -> torch.Te
     gradient, unscaled, when a step's scale is set: how a count the forward observes (tokens
     per expert) reaches a parameter updated from counts rather than a loss (``ParamSpec.
     sign_rate``), summed over micro batches and data ranks by the gradient reduction itself."""
-    if _SCALE[0] is None or not torch.is_grad_enabled():
+    if not in_step():
         return x
     return _GradientInto.apply(x, param, value.to(param.dtype))
 
 
 def attach(x: torch.Tensor, aux_sum: torch.Tensor) -> torch.Tensor:
     """``x``, carrying ``aux_sum`` (a 0-dim sum, fp32 or wider) into the backward when a scale is set."""
-    scale = _SCALE[0]
-    if scale is None or not torch.is_grad_enabled():
+    if not in_step():
         return x
+    scale = _SCALE[0]
     # d(aux_sum x scale)/d(aux_sum) = scale; shard: replicated over tp, like aux_sum
     return _GradientInto.apply(x, aux_sum, shard(scale).to(aux_sum.dtype).reshape(()))

@@ -93,7 +93,7 @@ class Dispatch(NamedTuple):
     dropped: torch.Tensor  # 0-dim fp32: pairs over capacity
 
 
-def queue_slots(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _queue_slots(experts: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For ``experts [G, T, k]``: the pairs' experts in queue order ``[G, k T]`` (first
     choices of every token, then second choices, ...) and each pair's place in its expert's
     queue within its group; a pair is kept when its place is below the capacity."""
@@ -111,7 +111,7 @@ def capacity_dispatch(x: torch.Tensor, experts: torch.Tensor, weights: torch.Ten
     is dropped. ``experts``, ``weights [G, T, k]``."""
     g, t, k = experts.shape
     d = x.shape[-1]
-    by_choice, slot = queue_slots(experts, n_experts)
+    by_choice, slot = _queue_slots(experts, n_experts)
     kept = slot < capacity_rows
     group = torch.arange(g, device=x.device).unsqueeze(-1)
     # buffers ordered [expert, group, slot]; dropped pairs go to one spare row, thrown away

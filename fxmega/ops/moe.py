@@ -159,6 +159,8 @@ def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = Non
     run = local(_routed_experts, ((None, "embed"), (None, None), (None, None), EXPERT_IN, EXPERT_IN, EXPERT_OUT,
                                   None, None, None), (None, "embed"), partial=True)
     y = run(flat, r.experts, r.weights, p["w_gate"], p["w_up"], p["w_down"], rows, b, moe.n_experts).view(b, s, d)
+    if not aux_loss.in_step():  # evaluation, generation: nothing rides on the output
+        return y
     load = routing.expert_counts(r.experts.view(b, s, -1), moe.n_experts, valid).sum(0)
     if bias is not None:  # the bias's "gradient": this micro batch's tokens per expert
         y = aux_loss.carry(y, bias, load)
@@ -166,7 +168,9 @@ def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = Non
     if moe.aux_loss_coeff or moe.z_loss_coeff:
         per_sequence = moe.aux_loss_coeff * balancing + moe.z_loss_coeff * z
         y = aux_loss.attach(y, (per_sequence * routing.sequence_tokens(s, b, valid, per_sequence)).sum())
-    return aux_loss.measure(y, _router_stats(r, load, balancing, z, rows, b, moe))
+    if aux_loss.measuring():
+        y = aux_loss.measure(y, _router_stats(r, load, balancing, z, rows, b, moe))
+    return y
 
 
 def _router_stats(r: routing.Routing, load: torch.Tensor, balancing: torch.Tensor, z: torch.Tensor, rows: int,

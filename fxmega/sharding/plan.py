@@ -247,12 +247,12 @@ def _layout(path: str, spec: ParamSpec, rules: dict, zero: int, mesh: MeshSpec, 
         zero_dim = spec.axes.index("embed")
         if zero_dim == tp_dim:
             zero_dim = None
-    dp = zero_axes if zero_dim is not None else ()
+    zero_split = zero_axes if zero_dim is not None else ()
     ordered = lambda axes: tuple(a for a in DATA_AXES if a in set(axes))  # noqa: E731
     data_axes = {
-        "param": ordered(rule_data_axes + (dp if zero >= 3 else ())),
-        "grad": ordered(rule_data_axes + (dp if zero >= 2 else ())),
-        "opt": ordered(rule_data_axes + (dp if zero >= 1 else ())),
+        "param": ordered(rule_data_axes + (zero_split if zero >= 3 else ())),
+        "grad": ordered(rule_data_axes + (zero_split if zero >= 2 else ())),
+        "opt": ordered(rule_data_axes + (zero_split if zero >= 1 else ())),
     }
     if data_axes["param"] and data_axes["opt"] != data_axes["param"]:
         raise ConfigError(f"zero {zero} shards optimizer state over dp, but the rules already shard {path} "
