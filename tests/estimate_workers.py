@@ -8,6 +8,7 @@ import torch
 from fxmega.config import load, override
 from fxmega.core import tree
 from fxmega.models import loss_by_pieces, model_for
+from fxmega.ops import aux_loss
 from fxmega.sharding import distributed, estimate
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.strategy import plan_from
@@ -15,7 +16,7 @@ from tests.multirank import ROOT
 
 
 def config(sets: list[str]):
-    """``configs/tiny_gpt.py`` (or the config named by a first item ``@tiny_llama``) with ``sets``."""
+    """``configs/tiny_gpt.py`` (or the config named by an item ``@tiny_llama``) with ``sets``."""
     name = next((s[1:] for s in sets if s.startswith("@")), "tiny_gpt")
     sets = [s for s in sets if not s.startswith("@")]
     return override(load(ROOT / "configs" / f"{name}.py"), ["train.device=cpu", *sets])
@@ -71,15 +72,17 @@ def step_peak(sets: list[str]) -> dict:
         batch = run._my_micro_batches(batch)[0]
     enable_autograd_in_compile()
 
-    def loss_and_grads(flat: list[torch.Tensor], batch: dict) -> tuple:
-        loss = loss_sum(flat, batch)
+    def loss_and_grads(flat: list[torch.Tensor], batch: dict, inv_tokens: torch.Tensor) -> tuple:
+        with aux_loss.gradient_scale(inv_tokens):  # as the step: MoE layers add their balancing terms
+            loss = loss_sum(flat, batch)
         return loss.detach(), torch.autograd.grad(loss, flat)
 
     fn = compiled(loss_and_grads, options=inductor_options(cfg.compute.recompute != "none"))
-    fn(flat, batch)
+    inv_tokens = torch.tensor(1.0 / batch["targets"].numel(), device=device)
+    fn(flat, batch, inv_tokens)
     reset_peak(device)
     before = current_bytes(device)
-    out = fn(flat, batch)
+    out = fn(flat, batch, inv_tokens)
     measured = peak_bytes(device) - before
     del out
     pred = predicted(cfg, par.groups.coords["pp"] if par is not None else 0)

@@ -85,6 +85,11 @@ def test_fake_parallel_shards_match_the_plan():
     ("tiny_gpt", ["parallel.mesh=cp=2", "parallel.cp_attention=a2a", "train.seq_len=64"]),
     ("tiny_llama", ["parallel.mesh=cp=4", "parallel.cp_attention=ring", "train.seq_len=64"]),
     ("tiny_gpt", ["parallel.mesh=cp=2", "parallel.cp_attention=ring", "train.seq_len=64", "compute.recompute=full"]),
+    # experts over ep: all-to-alls of the buffers, expert gradients reduced over the expert-data ranks only
+    ("tiny_moe", ["parallel.mesh=dp=4,ep=2", "parallel.zero=1"]),
+    ("tiny_moe", ["parallel.mesh=dp=2,ep=2,tp=2", "model.moe.capacity_factor=1.0", "compute.recompute=selective"]),
+    ("tiny_moe", ["parallel.mesh=dp=2,ep=2", "compute.recompute=full"]),
+    ("tiny_moe", ["parallel.mesh=tp=2", "parallel.sequence_parallel=true"]),  # the router's partial gradients
 ])
 @pytest.mark.slow
 def test_estimated_collectives_equal_the_traced_step(name, sets):
@@ -100,42 +105,53 @@ def test_estimated_collectives_equal_the_traced_step(name, sets):
     assert traced == predicted
 
 
-def test_activation_census_matches_autograd():
-    """The per-block tensors ``estimate.saved_tensors`` lists are the ones eager autograd
-    keeps: count them with saved-tensor hooks on one block, at tp-local weight shapes."""
+def _saved_by_autograd(model, mcfg, dtype, tp: int) -> int:
+    """Bytes eager autograd keeps for one block of ``model`` (saved-tensor hooks; weights and
+    rotary tables [seq, 1, dim] left out), its weights narrowed to tp-local shapes, on a
+    batch of 2 x 128 tokens, inside a step's MoE scaling (balancing terms on)."""
     import torch
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from fxmega.core import tree
-    from fxmega.models import gpt, llama
+    from fxmega.ops import aux_loss
     from fxmega.ops.init import init_params
 
-    def narrow(path: str, t: torch.Tensor, tp: int) -> torch.Tensor:
-        dims = {"wqkv": -2, "bqkv": -2, "wq": 1, "wk": 1, "wv": 1, "wo": 0, "w_in": 1, "b_in": 0, "w_gate": 1,
-                "w_up": 1, "w_out": 0, "w_down": 0}
+    def narrow(path: str, t: torch.Tensor) -> torch.Tensor:
+        dims = {"wqkv": -2, "bqkv": -2, "wq": 1, "wk": 1, "wv": 1, "wo": 0, "w_in": 1, "b_in": 0, "w_gate": -1,
+                "w_up": -1, "w_out": 0, "w_down": -2}
         d = dims.get(path.split(".")[-1])
         return t if d is None else t.narrow(d, 0, t.shape[d] // tp)
+
+    p = init_params(model.param_specs(mcfg), 0)["blocks"][0]
+    p = tree.map_with_path(lambda path, t: narrow(path, t.to(dtype)).contiguous().requires_grad_(), p)
+    x = torch.randn(2, 128, mcfg.d_model, dtype=dtype, requires_grad=True)
+    scale = torch.tensor(1.0)
+    own = {StorageWeakRef(t.untyped_storage()) for t in [*tree.leaves(p), scale]}
+    seen: dict = {}
+
+    def pack(t):
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref not in own and (t.dim() == 0 or t.shape[0] != 128):
+            seen[ref] = t.untyped_storage().nbytes()
+        return t
+
+    with aux_loss.gradient_scale(scale), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.block(p, x, mcfg)
+    return sum(seen.values())
+
+
+def test_activation_census_matches_autograd():
+    """The per-block tensors ``estimate.saved_tensors`` lists are the ones eager autograd
+    keeps: count them with saved-tensor hooks on one block, at tp-local weight shapes."""
+    import torch
+
+    from fxmega.models import gpt, llama
 
     for model, mcfg in [(gpt, gpt.Config(vocab_size=256, max_seq_len=128, d_model=128, n_layers=1, n_heads=4)),
                         (llama, llama.Config(vocab_size=256, max_seq_len=128, d_model=128, n_layers=1, n_heads=4,
                                              n_kv_heads=2, d_ff=320))]:
         for dtype in (torch.float32, torch.bfloat16):
             for tp in (1, 2):
-                p = init_params(model.param_specs(mcfg), 0)["blocks"][0]
-                p = tree.map_with_path(
-                    lambda path, t, dtype=dtype, tp=tp: narrow(path, t.to(dtype), tp).contiguous().requires_grad_(), p)
-                x = torch.randn(2, 128, mcfg.d_model, dtype=dtype, requires_grad=True)
-                own = {StorageWeakRef(t.untyped_storage()) for t in tree.leaves(p)}
-                seen: dict = {}
-
-                def pack(t, own=own, seen=seen):
-                    ref = StorageWeakRef(t.untyped_storage())
-                    if ref not in own and t.shape[0] != 128:  # not a weight, not a rotary table [seq, 1, dim]
-                        seen[ref] = t.untyped_storage().nbytes()
-                    return t
-
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    model.block(p, x, mcfg)
                 family = "llama" if model is llama else "gpt"
                 kv = mcfg.kv_heads if family == "llama" else mcfg.n_heads
                 ff = mcfg.d_ff if family == "llama" else mcfg.ffn_dim
@@ -145,7 +161,36 @@ def test_activation_census_matches_autograd():
                 stats = estimate.FP32 - act  # LayerNorm statistics: fp32 on GPUs, the input dtype on this CPU
                 n_stats = 4 if family == "gpt" else 0  # RMSNorm computes its statistics in fp32 itself
                 expected = estimate.block_bytes(shape, act, "none", compiled=False) - n_stats * 256 * stats
-                assert sum(seen.values()) == expected, (family, dtype, tp)
+                assert _saved_by_autograd(model, mcfg, dtype, tp) == expected, (family, dtype, tp)
+
+
+@pytest.mark.parametrize("capacity", [1.0, 0.0])
+def test_moe_activation_census_matches_autograd(capacity):
+    """A MoE block's table (``mixtral.block_saved``: router, pairs, buffers, experts, shared
+    experts) against what eager autograd keeps, capacity and dropless, fp32 and bf16, tp 1
+    and 2. What it leaves out, each named: per-sequence balancing values ([B, E] loads and
+    a few [B] sums), the dispatch's spare row for dropped pairs, and dropless's CPU fallback
+    masks (each expert's rows, per product; the grouped product on GPUs has none)."""
+    import torch
+
+    from fxmega.models import mixtral
+    from fxmega.ops.moe import MoE
+
+    e, k, f, b, d = 4, 2, 96, 2, 128
+    mcfg = mixtral.Config(vocab_size=256, max_seq_len=128, d_model=d, n_layers=1, n_heads=4, n_kv_heads=2,
+                          d_ff=160, moe=MoE(n_experts=e, top_k=k, d_expert=f, n_shared_experts=1,
+                                            capacity_factor=capacity, aux_loss_coeff=0.01, z_loss_coeff=1e-3))
+    for dtype in (torch.float32, torch.bfloat16):
+        for tp in (1, 2):
+            act = torch.finfo(dtype).bits // 8
+            shape = estimate.BlockShape(mixtral.block_saved(mcfg, 0, 128, 1), 256, d, 4 // tp, 2 // tp, 32, 0, 1,
+                                        experts=e, expert_mlp=f // tp, shared_mlp=f // tp)
+            per_sequence = b * e * 4 + 3 * b * 4
+            spare_row = d * act if capacity else 0
+            masks = 0 if capacity else 3 * e * k * 256
+            expected = estimate.block_bytes(shape, act, "none", compiled=False)
+            got = _saved_by_autograd(mixtral, mcfg, dtype, tp)
+            assert got == expected + per_sequence + spare_row + masks, (dtype, tp, got - expected)
 
 
 def test_memory_estimate_orders_and_pipeline_in_flight():

@@ -139,7 +139,7 @@ CONTEXT_PARALLEL = True  # blocks take positions, so a sequence may be split int
 # What one block keeps for its backward (``fxmega.models.census``). RMSNorm runs in fp32: its
 # fp32 input, the rsqrt statistics and the normalised values; a recomputed region keeps the
 # residual in the compute dtype instead of the fp32 copy.
-BLOCK_SAVED = (
+SAVED_BESIDE_MLP = (  # the norms and the attention
     Saved("input", 1, "embed", "act", True, "region_input"),
     Saved("attn_norm.input_fp32", 1, "embed", "fp32", True, "autograd_input"),
     Saved("attn_norm.rstd", 1, "one", "fp32", True, "other"),
@@ -155,12 +155,21 @@ BLOCK_SAVED = (
     Saved("attn.out", 1, "q", "act", False, "attention"),
     Saved("attn.lse", 1, "heads", "fp32", False, "attention"),
     Saved("attn.wo_out", 1, "embed", "act", False, "projection_out"),
-    Saved("mlp.gate", 1, "mlp", "act", False, "matmul"),
-    Saved("mlp.up", 1, "mlp", "act", False, "matmul"),
-    Saved("mlp.silu", 1, "mlp", "act", False, "other"),
-    Saved("mlp.hidden", 1, "mlp", "act", False, "other"),
-    Saved("mlp.down_out", 1, "embed", "act", False, "projection_out"),
 )
+
+
+def mlp_saved(name: str = "mlp", width: str = "mlp") -> tuple[Saved, ...]:
+    """What a SwiGLU MLP of hidden ``width`` keeps (a MoE layer's shared experts are one)."""
+    return (
+        Saved(f"{name}.gate", 1, width, "act", False, "matmul"),
+        Saved(f"{name}.up", 1, width, "act", False, "matmul"),
+        Saved(f"{name}.silu", 1, width, "act", False, "other"),
+        Saved(f"{name}.hidden", 1, width, "act", False, "other"),
+        Saved(f"{name}.down_out", 1, "embed", "act", False, "projection_out"),
+    )
+
+
+BLOCK_SAVED = SAVED_BESIDE_MLP + mlp_saved()
 
 
 def objective(cfg: Config) -> objectives.Objective:

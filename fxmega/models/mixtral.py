@@ -19,6 +19,7 @@ import torch
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.models import llama
+from fxmega.models.census import Saved
 from fxmega.models.llama import (  # noqa: F401  (the family's pieces, shared with Llama)
     EMBED_INPUTS,
     EMBED_PARAMS,
@@ -57,6 +58,59 @@ ROUTER_METER = True
 
 # Each sequence's balancing terms need the whole sequence on one rank: not split over cp yet.
 CONTEXT_PARALLEL = False
+
+
+def block_saved(cfg: Config, index: int, seq_len: int, ep: int) -> tuple[Saved, ...]:
+    """What block ``index`` keeps for its backward (``fxmega.models.census``), per token of
+    sequences of ``seq_len``, its experts spread over ``ep`` ranks: Llama's where the block is
+    dense; in a MoE block Llama's norms and attention, then the router (fp32 logits and
+    scores, the top-k choice), the (token, expert) pairs, the experts' SwiGLU on the rows
+    they run (``k`` per token dropless, ``moe.buffer_rows`` per sequence through buffers),
+    the weighted outputs, and the shared experts' MLP."""
+    if not cfg.moe.is_moe_layer(index):
+        return llama.BLOCK_SAVED
+    k = cfg.moe.top_k
+    buffered = moe.buffer_rows(cfg.moe, seq_len, ep) * cfg.moe.n_experts / seq_len  # rows per token
+    rows = buffered or k
+    router = (
+        Saved("moe.router_input_fp32", 1, "embed", "fp32_copy", False, "norm_out"),
+        Saved("moe.router_logits", 1, "experts", "fp32", False, "matmul"),
+        Saved("moe.router_probs", 1, "experts", "fp32", False, "other"),
+        Saved("moe.router_lse", 1, "one", "fp32", False, "other"),
+        Saved("moe.topk_indices", k, "one", "int64", False, "other"),
+        Saved("moe.topk_weights", k, "one", "fp32", False, "other"),
+        Saved("moe.topk_sum", 1, "one", "fp32", False, "other"),
+    )
+    pairs = (
+        Saved("moe.pair_tokens", k, "one", "int64", False, "other"),
+        Saved("moe.pair_weights", k, "one", "act", False, "other"),
+    )
+    expert_mlp = (
+        Saved("moe.gate", rows, "expert_mlp", "act", False, "matmul"),
+        Saved("moe.up", rows, "expert_mlp", "act", False, "matmul"),
+        Saved("moe.silu", rows, "expert_mlp", "act", False, "other"),
+        Saved("moe.hidden", rows, "expert_mlp", "act", False, "other"),
+    )
+    if buffered:  # each pair's row and whether it fit, the buffers, the experts' outputs on them
+        routed = (
+            Saved("moe.pair_rows", k, "one", "int64", False, "other"),
+            Saved("moe.pair_kept", k, "one", "bool", False, "other"),
+            Saved("moe.pair_inputs", k, "embed", "act", False, "gathered"),
+            Saved("moe.buffers", rows, "embed", "act", False, "other"),
+            *expert_mlp,
+            Saved("moe.down_out", rows, "embed", "act", False, "combined"),
+            Saved("moe.pair_outputs", 2 * k, "embed", "act", False, "gathered"),
+        )
+    else:  # the pairs sorted by expert, their rows through the experts, the weighted outputs
+        routed = (
+            Saved("moe.pair_order", k, "one", "int64", False, "other"),
+            Saved("moe.pair_inputs", k, "embed", "act", False, "other"),
+            *expert_mlp,
+            Saved("moe.down_out", k, "embed", "act", False, "other"),
+            Saved("moe.pair_outputs", k, "embed", "act", False, "gathered"),
+        )
+    shared = llama.mlp_saved("moe.shared", "shared_mlp") if cfg.moe.n_shared_experts else ()
+    return llama.SAVED_BESIDE_MLP + router + pairs + routed + shared
 
 
 def check_mesh(cfg: Any, mesh: MeshSpec) -> None:

@@ -104,28 +104,35 @@ def param_specs(moe: MoE, d_model: int, d_ff: int, weight: Init, residual: Init)
     return out
 
 
+def buffer_rows(moe: MoE, seq_len: int, ep: int) -> int:
+    """Rows each expert's buffer holds per sequence of ``seq_len`` tokens: 0 when dropless on
+    one rank (no buffers: the pairs sorted by expert), the capacity with a capacity factor,
+    and the whole sequence when dropless over ep (no pair can be dropped, and the exchange
+    keeps static shapes and no host sync, at E / k times the pairs' rows)."""
+    if moe.capacity_factor:
+        return experts.capacity(seq_len, moe.top_k, moe.n_experts, moe.capacity_factor)
+    return seq_len if ep > 1 else 0
+
+
 EXPERT_IN = ("expert", "embed", "mlp")  # w_gate, w_up
 EXPERT_OUT = ("expert", "mlp", "embed")  # w_down
 
 
 def _routed_experts(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,
-                    w_up: torch.Tensor, w_down: torch.Tensor, capacity_rows: int, sequences: int,
+                    w_up: torch.Tensor, w_down: torch.Tensor, rows: int, sequences: int,
                     n_experts: int) -> torch.Tensor:
-    """The routed experts' weighted output for ``x [T, d]``: dropless, or with
-    ``capacity_rows`` per expert and sequence (``sequences`` of ``T / sequences`` tokens).
-    ``w_*`` hold this rank's experts: all ``n_experts``, or 1/ep of them under expert
-    parallelism, where the buffers travel to their experts' ranks and back. Dropless over
-    ep gives each expert room for every token of a sequence (no pair can be dropped, and
-    the exchange keeps static shapes and no host sync, at E / k times the pairs' rows)."""
-    ep = axis_size("expert")
-    if not capacity_rows and ep == 1:
+    """The routed experts' weighted output for ``x [T, d]``: dropless (``rows`` 0), or through
+    buffers of ``rows`` per expert and sequence (``sequences`` of ``T / sequences`` tokens,
+    ``buffer_rows``). ``w_*`` hold this rank's experts: all ``n_experts``, or 1/ep of them
+    under expert parallelism, where the buffers travel to their experts' ranks and back."""
+    if not rows:
         return experts.dropless(x, chosen, weights, w_gate, w_up, w_down).out
     t, d = x.shape
     per_sequence = t // sequences
     sent = experts.capacity_dispatch(x.view(sequences, per_sequence, d), chosen.view(sequences, per_sequence, -1),
-                                     weights.view(sequences, per_sequence, -1), n_experts,
-                                     capacity_rows or per_sequence)
-    return experts.capacity_combine(_experts_where_they_live(sent.buffers, w_gate, w_up, w_down, ep), sent, t)
+                                     weights.view(sequences, per_sequence, -1), n_experts, rows)
+    return experts.capacity_combine(_experts_where_they_live(sent.buffers, w_gate, w_up, w_down,
+                                                             axis_size("expert")), sent, t)
 
 
 def _experts_where_they_live(buffers: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
@@ -153,7 +160,7 @@ def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = Non
     flat = x.reshape(b * s, d)
     bias = p.get("expert_bias")
     r = routing.route(flat, p["router"], moe, None if bias is None else bias.detach())
-    rows = experts.capacity(s, moe.top_k, moe.n_experts, moe.capacity_factor) if moe.capacity_factor else 0
+    rows = buffer_rows(moe, s, axis_size("expert"))
     # the experts on each rank's slice of their hidden width (tensor parallelism), everything
     # else read whole: a partial sum, reduced by the block's next shard()
     run = local(_routed_experts, ((None, "embed"), (None, None), (None, None), EXPERT_IN, EXPERT_IN, EXPERT_OUT,

@@ -162,7 +162,7 @@ def plan_report(cfg: Any, budget: int | None = None, rank: int | None = None, ve
     plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
     cfg.validate(plan.mesh.data_size)
     lines = rank_layout(plan.mesh) + [""] + _collapse_blocks(plan.explain().splitlines(), cfg.model.n_layers)
-    if getattr(model, "BLOCK_SAVED", None) is None:
+    if not estimate.declares_saved(cfg.model):
         lines += ["", f"memory and communication: not estimated, the {family_name(cfg.model)} family declares no "
                       f"BLOCK_SAVED (what a block keeps for its backward); the parameter and optimizer bytes per rank "
                       f"are above, and --rank R traces a rank's step and counts its collectives"]

@@ -130,9 +130,11 @@ class AxisTraffic:
 
 # -- activations of one block -------------------------------------------------------------
 # which kinds of saved tensor (``fxmega.models.census``) each recompute mode keeps
-KEPT = {"none": ("input", "autograd_input", "matmul", "attention", "norm_out", "other"),
-        "selective": ("input", "region_input", "matmul", "attention", "projection_out"),
+KEPT = {"none": ("input", "autograd_input", "matmul", "attention", "norm_out", "other", "gathered", "combined"),
+        "selective": ("input", "region_input", "matmul", "attention", "projection_out", "combined"),
         "full": ("input", "region_input", "attention")}
+EAGER_ONLY = ("norm_out", "gathered")  # the compiled whole step recomputes or fuses them (below)
+COMPILED_ONLY = ("combined",)
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,9 @@ class BlockShape:
     head_dim: int
     mlp: int  # local hidden width of the MLP
     seq_split: int  # 1, or tp under sequence parallelism (the residual stream is split)
+    experts: int = 0  # a MoE block: the router's outputs
+    expert_mlp: int = 0  # ... a routed expert's local hidden width
+    shared_mlp: int = 0  # ... the shared experts' local hidden width
 
 
 def saved_tensors(b: BlockShape, act: int) -> dict[str, tuple[int, bool, str]]:
@@ -155,9 +160,11 @@ def saved_tensors(b: BlockShape, act: int) -> dict[str, tuple[int, bool, str]]:
     (split along seq under sequence parallelism), kind), from the family's ``BLOCK_SAVED``
     (``fxmega.models.census`` says what the widths and kinds mean)."""
     widths = {"embed": b.embed, "q": b.heads * b.head_dim, "kv": b.kv_heads * b.head_dim, "mlp": b.mlp,
-              "heads": b.heads, "one": 1}
-    dtypes = {"act": act, "fp32": FP32}
-    return {s.name: (b.tokens * s.count * widths[s.width] * dtypes[s.dtype], s.residual, s.kind) for s in b.saved}
+              "heads": b.heads, "one": 1, "experts": b.experts, "expert_mlp": b.expert_mlp,
+              "shared_mlp": b.shared_mlp}
+    dtypes = {"act": act, "fp32": FP32, "fp32_copy": FP32 if act < FP32 else 0, "int64": 8, "bool": 1}
+    return {s.name: (round(b.tokens * s.count * widths[s.width] * dtypes[s.dtype]), s.residual, s.kind)
+            for s in b.saved}
 
 
 def _size(entry: tuple[int, bool, str], b: BlockShape) -> int:
@@ -176,23 +183,50 @@ def block_bytes(b: BlockShape, act: int, mode: str, compiled: bool = True) -> in
     units of [tokens, embed] to the step's peak where eager autograd saves 16.1 — the two norm
     outputs, recomputed from the kept input and statistics. Pipeline stages, compiled as
     separate forward and backward graphs, keep them (measured on pp=2: 8.1 MiB per block
-    and micro batch, eager's count)."""
+    and micro batch, eager's count). Likewise a MoE block's gathered copies (the pairs' rows
+    taken from the tokens and from the experts' outputs): inductor fuses the gathers into
+    the kernels that read them and keeps the experts' outputs instead (``combined``),
+    measured on the tiny MoE: 6 units of [rows, d] per buffered row (buffers, gate, up,
+    activation, hidden, outputs), nothing per pair beyond the indices."""
     saved = saved_tensors(b, act)
     keep = KEPT[mode]
-    return sum(_size(e, b) for e in saved.values() if e[2] in keep and not (compiled and e[2] == "norm_out"))
+    skip = EAGER_ONLY if compiled else COMPILED_ONLY
+    return sum(_size(e, b) for e in saved.values() if e[2] in keep and e[2] not in skip)
 
 
-def block_shape(plan: ShardingPlan, model_cfg: Any, tokens: int) -> BlockShape:
-    """The local sizes of one block on a rank of ``plan``, read off block 0's parameters by
-    their logical axes (tp splits heads, kv heads and mlp where the rules say so)."""
+def declares_saved(model_cfg: Any) -> bool:
+    """Whether the family says what its blocks keep, which the memory estimate needs."""
+    model = model_for(model_cfg)
+    return hasattr(model, "block_saved") or getattr(model, "BLOCK_SAVED", None) is not None
+
+
+def block_shape(plan: ShardingPlan, model_cfg: Any, tokens: int, index: int = 0, seq_len: int = 0) -> BlockShape:
+    """The local sizes of block ``index`` on a rank of ``plan``, read off its parameters by
+    their logical axes (tp splits heads, kv heads and mlp where the rules say so), and what
+    the family says it keeps (``BLOCK_SAVED``, or ``block_saved(cfg, index, seq_len, ep)``
+    where blocks differ: dense and MoE blocks, dispatch buffers sized by the sequence)."""
+    prefix = f"blocks.{index}."
+    return _shape_of(plan, model_cfg, tokens, index, seq_len,
+                     [lay for lay in plan.params.values() if lay.path.startswith(prefix)])
+
+
+def _shape_of(plan: ShardingPlan, model_cfg: Any, tokens: int, index: int, seq_len: int, layouts: list) -> BlockShape:
     sizes: dict[str, int] = {}
-    for lay in plan.params.values():
-        if not lay.path.startswith("blocks.0."):
+    moe: dict[str, int] = {}
+    prefix = f"blocks.{index}."
+    for lay in layouts:
+        local = [n // (lay.tp_size if lay.tp_dim == dim else 1) for dim, n in enumerate(lay.shape)]
+        name = lay.path[len(prefix):]
+        if name.startswith("moe."):  # the experts' widths, apart from the dense MLP's
+            moe[name] = local[-1]
             continue
         for dim, axis in enumerate(lay.axes):
-            split = lay.tp_size if lay.tp_dim == dim else 1
-            sizes[axis] = min(sizes.get(axis, lay.shape[dim]), lay.shape[dim] // split)
-    saved = getattr(model_for(model_cfg), "BLOCK_SAVED", None)
+            sizes[axis] = min(sizes.get(axis, local[dim]), local[dim])
+    model = model_for(model_cfg)
+    if hasattr(model, "block_saved"):
+        saved = model.block_saved(model_cfg, index, seq_len, plan.mesh.size("ep"))
+    else:
+        saved = getattr(model, "BLOCK_SAVED", None)
     if saved is None:
         raise ConfigError(f"the {family_name(model_cfg)} family declares no BLOCK_SAVED (what one block keeps for its "
                           f"backward, fxmega.models.census), which the memory estimate needs: `run.py summary` counts "
@@ -200,7 +234,8 @@ def block_shape(plan: ShardingPlan, model_cfg: Any, tokens: int) -> BlockShape:
     heads = sizes.get("heads", model_cfg.n_heads)
     return BlockShape(tuple(saved), tokens, model_cfg.d_model, heads, sizes.get("kv_heads", heads),
                       sizes.get("head_dim", model_cfg.d_model // model_cfg.n_heads), sizes.get("mlp", 0),
-                      plan.tp if plan.sequence_parallel else 1)
+                      plan.tp if plan.sequence_parallel else 1, moe.get("moe.router", 0),
+                      moe.get("moe.w_gate", 0), moe.get("moe.shared.w_gate", 0))
 
 
 # -- the whole rank -------------------------------------------------------------------
@@ -222,7 +257,8 @@ def in_flight(plan: ShardingPlan, pp_rank: int, n_micro: int) -> float:
 def memory(plan: ShardingPlan, model_cfg: Any, work: Workload) -> list[MemoryEstimate]:
     """A ``MemoryEstimate`` per pp rank (one without pipeline parallelism)."""
     act = work.act_bytes
-    shape = block_shape(plan, model_cfg, work.tokens)
+    shapes = block_shapes(plan, model_cfg, work)
+    shape = shapes[min(shapes)] if shapes else block_shape(plan, model_cfg, work.tokens)
     vocab_local = plan.padded_vocab_size // (plan.tp if _vocab_split(plan) else 1)
     out = []
     for r in range(plan.mesh.size("pp")):
@@ -239,9 +275,9 @@ def memory(plan: ShardingPlan, model_cfg: Any, work: Workload) -> list[MemoryEst
         # a pipeline stage is compiled as a forward graph and a backward graph (AOTAutograd's
         # split), which keep what eager autograd keeps; the whole-step graph keeps less
         joint = plan.pipeline is None
-        per_block = {m: block_bytes(shape, act, m, compiled=joint) for m in ("none", "selective", "full")}
-        modes = [_mode(work, i) for i in blocks]
-        saved = sum(per_block[m] for m in modes) + len(blocks) * _cp_attention_bytes(shape, work, act)
+        kept = {(i, m): block_bytes(shapes[i], act, m, compiled=joint)
+                for i in blocks for m in {"none", _mode(work, i)}}
+        saved = sum(kept[i, _mode(work, i)] for i in blocks) + len(blocks) * _cp_attention_bytes(shape, work, act)
         has_head = plan.pipeline is None or any(s.head for s in plan.pipeline.stages_of(r))
         flight = in_flight(plan, r, work.n_micro)
         t = work.tokens
@@ -251,15 +287,35 @@ def memory(plan: ShardingPlan, model_cfg: Any, work: Workload) -> list[MemoryEst
             head_saved = 2 * t * shape.embed * act // shape.seq_split + logits_tokens * vocab_local * FP32
             head_transient = 2 * logits_tokens * vocab_local * FP32 + logits_tokens * vocab_local * act
         # one block's backward: what it recomputes, plus the gradients flowing through it
-        worst = max(modes, key=lambda m: per_block["none"] - per_block[m], default="none")
-        block_transient = per_block["none"] - per_block[worst] + t * (2 * shape.embed + shape.mlp) * act
+        block_transient = max((kept[i, "none"] - kept[i, _mode(work, i)] + _gradients_through(shapes[i], act)
+                               for i in blocks), default=0)
         if gathers:  # the gathered block's full gradients before their reduce-scatter
             block_transient += block_params * FP32
         out.append(MemoryEstimate(r, state["param"], state["grad"], state["opt"], copy,
                                   int(saved * flight + head_saved * (flight if plan.pipeline else 1)),
                                   int(max(head_transient, block_transient)), len(blocks), flight,
-                                  per_block[work.recompute]))
+                                  max((block_bytes(shapes[i], act, work.recompute, joint) for i in blocks),
+                                      default=0)))
     return out
+
+
+def block_shapes(plan: ShardingPlan, model_cfg: Any, work: Workload) -> dict[int, BlockShape]:
+    """``block_shape`` of every block, reading the plan's parameters once."""
+    by_block: dict[int, list] = {}
+    for lay in plan.params.values():
+        if lay.path.startswith("blocks."):
+            by_block.setdefault(int(lay.path.split(".")[1]), []).append(lay)
+    return {i: _shape_of(plan, model_cfg, work.tokens, i, work.seq_len, lays) for i, lays in sorted(by_block.items())}
+
+
+def _gradients_through(shape: BlockShape, act: int) -> int:
+    """The gradients one block's backward holds at once: the residual stream's two and its
+    feed-forward's hidden gradient (a MoE block's: over the rows its experts run)."""
+    ffn = shape.mlp
+    if shape.experts:
+        rows = max((s.count for s in shape.saved if s.name == "moe.gate"), default=0)
+        ffn = rows * (shape.embed + shape.expert_mlp) + shape.shared_mlp
+    return int(shape.tokens * (2 * shape.embed + ffn) * act)
 
 
 def _cp_attention_bytes(shape: BlockShape, work: Workload, act: int) -> int:
@@ -297,13 +353,16 @@ def communication(plan: ShardingPlan, model_cfg: Any, work: Workload,
     """Bytes each rank of pp rank ``pp_rank`` sends per step, and collectives, per mesh axis."""
     mesh, act = plan.mesh, work.act_bytes
     traffic: dict[str, AxisTraffic] = {}
-    shape = block_shape(plan, model_cfg, work.tokens)
+    shapes = block_shapes(plan, model_cfg, work)
+    shape = shapes[min(shapes)] if shapes else block_shape(plan, model_cfg, work.tokens)
     mine = [p for p in plan.params.values() if pp_rank in plan.pp_owners(p.path)]
     blocks = sorted({int(p.path.split(".")[1]) for p in mine if p.path.startswith("blocks.")})
     n = work.n_micro
     tp = plan.tp
     if tp > 1:
-        _tp_traffic(plan, work, shape, blocks, pp_rank, traffic.setdefault("tp", AxisTraffic()))
+        _tp_traffic(plan, work, shapes, blocks, pp_rank, traffic.setdefault("tp", AxisTraffic()))
+    if mesh.size("ep") > 1:
+        _ep_traffic(work, shapes, blocks, mesh.size("ep"), traffic.setdefault("ep", AxisTraffic()))
     if work.cp > 1:
         _cp_traffic(work, shape, blocks, mine, traffic.setdefault("cp", AxisTraffic()))
     data_axes = tuple(a for a in DATA_AXES if mesh.size(a) > 1)
@@ -370,18 +429,54 @@ def _cp_traffic(work: Workload, shape: BlockShape, blocks: list[int], mine: list
         out.add("all_reduce", n, p.local_numel("param") * FP32, cp)
 
 
-def _tp_traffic(plan: ShardingPlan, work: Workload, shape: BlockShape, blocks: list[int], pp_rank: int,
+def _pairs(b: BlockShape) -> float:
+    """(token, expert) pairs per token of a MoE block: its router's top k."""
+    return max((s.count for s in b.saved if s.name == "moe.topk_indices"), default=0)
+
+
+def _ep_traffic(work: Workload, shapes: dict[int, BlockShape], blocks: list[int], ep: int,
+                out: AxisTraffic) -> None:
+    """All-to-alls over ep, per MoE block and micro batch (``fxmega.ops.moe``): the expert
+    buffers [E, sequences x rows, d] go to their experts' ranks and the outputs come back,
+    forward and backward; a recomputed forward exchanges them again."""
+    for i in blocks:
+        b = shapes[i]
+        rows = max((s.count for s in b.saved if s.name == "moe.buffers"), default=0)
+        if not rows:
+            continue
+        buffers = b.tokens * rows * b.embed * work.act_bytes
+        forwards = 2 if _mode(work, i) == "none" else 3
+        out.add("all_to_all", 2 * forwards * work.n_micro, buffers, ep)
+
+
+def _tp_traffic(plan: ShardingPlan, work: Workload, shapes: dict[int, BlockShape], blocks: list[int], pp_rank: int,
                 out: AxisTraffic) -> None:
     """Collectives over tp, as the compiled step holds them (counted in traced graphs of GPT
     and Llama steps on fake meshes; tests/test_plan_scale.py compares them exactly without
     recompute). Under full recompute the remat pass decides which forward collectives it
     redoes; the counts here (one all-reduce per block, two gathers and scatters with
-    sequence parallelism) are close to, not equal to, what it does."""
+    sequence parallelism) are close to, not equal to, what it does.
+
+    A MoE block's experts return partial sums over tp, so the gradients reaching the router
+    (the pairs' weights [tokens, k]) and the tokens are partial too: DTensor reduce-scatters
+    them over the tokens, runs the router's backward on each rank's share, all-reduces the
+    router weight's gradient and gathers the tokens' gradient back (counted in traced steps:
+    per MoE block two reduce-scatters and a gather in place of the MLP's input all-reduce,
+    plus the router's all-reduce; with sequence parallelism the tokens' scatter is the
+    block's own)."""
+    shape = shapes[min(shapes)]
     tp, n, act = plan.tp, work.n_micro, work.act_bytes
     act_bytes = work.tokens * shape.embed * act
     full = [i for i in blocks if _mode(work, i) == "full"]
     has_head = plan.pipeline is None or any(s.head for s in plan.pipeline.stages_of(pp_rank))
     has_embed = plan.pipeline is None or any(s.embed for s in plan.pipeline.stages_of(pp_rank))
+    moe = [shapes[i] for i in blocks if shapes[i].experts]
+    for b in moe:  # the router's partial gradients (docstring)
+        out.add("reduce_scatter", n, b.tokens * _pairs(b) * FP32, tp)
+        out.add("all_gather", n, act_bytes, tp)
+        out.add("all_reduce", n, b.embed * b.experts * FP32, tp)
+        if not plan.sequence_parallel:  # the tokens' gradient scattered (and gathered) instead of all-reduced
+            out.add("reduce_scatter", n, act_bytes, tp)
     norms = [p for p in plan.params.values() if p.path.startswith("blocks.0.") and "norm" in p.path]
     final_norms = [p for p in plan.params.values() if p.path.startswith("final_norm")]
     if plan.sequence_parallel:
@@ -404,7 +499,7 @@ def _tp_traffic(plan: ShardingPlan, work: Workload, shape: BlockShape, blocks: l
     else:
         # Megatron's f/g: two all-reduces per block forward and two backward; full recompute
         # repeats one of them (the attention's output is kept, see fxmega.ops.recompute)
-        out.add("all_reduce", (4 * len(blocks) + len(full) + (1 if full else 0)) * n, act_bytes, tp)
+        out.add("all_reduce", (4 * len(blocks) - len(moe) + len(full) + (1 if full else 0)) * n, act_bytes, tp)
         if has_embed and _vocab_split(plan):
             out.add("all_reduce", n, act_bytes, tp)  # the vocab-parallel embedding's partial sums
         if has_head:
