@@ -244,6 +244,28 @@ def test_auto_planner_searches_cp_for_long_sequences():
     assert all(c.cp == 1 for c in auto.candidates(short, 16, auto.parse_profile("h100")))
 
 
+def test_auto_planner_searches_ep_for_experts():
+    """Mixtral 8x7B on 64 H100s: ep is tried at every divisor of dp that divides the 8
+    experts (never for a dense model); on the same layout ep=8 holds less (the experts and
+    their AdamW state split 8 ways) and pays for its all-to-alls; dropless over ep holds more
+    than with a capacity factor (each expert's buffer holds a whole sequence, E/k the rows)."""
+    cfg = cfg_of("mixtral_8x7b", "compute.precision=bf16", "model.moe.capacity_factor=1.25")
+    h100 = auto.parse_profile("h100")
+    assert {c.ep for c in auto.candidates(cfg, 64, h100) if (c.dp, c.tp, c.pp) == (8, 1, 8)} == {1, 2, 4, 8}
+    assert {c.ep for c in auto.candidates(cfg_of("llama2_7b"), 64, h100)} == {1}
+
+    def priced(run_cfg, ep):
+        c = auto.evaluate(run_cfg, auto.Candidate(8, 1, 8, 1, "none", "1f1b", ep=ep), h100, budget=10**15)
+        assert not c.reason, c.reason
+        return c
+
+    one, eight = priced(cfg, 1), priced(cfg, 8)
+    assert eight.memory < one.memory and eight.parts["ep"] > 0 == one.parts["ep"]
+    assert plan_of(override(cfg, eight.assignments())).mesh.size("ep") == 8  # what it proposes, the planner takes
+    dropless = priced(cfg_of("mixtral_8x7b", "compute.precision=bf16"), 8)
+    assert dropless.memory > eight.memory and dropless.parts["ep"] > eight.parts["ep"]
+
+
 # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 # Megatron-LM" (SC21, arXiv:2104.04473), Table 1: GPT, sequence 2048, vocabulary 51,200,
 # mixed precision with full activation recompute, A100 80 GB. Parameters (billions), heads,

@@ -1,10 +1,12 @@
 """``run.py plan --mesh auto --devices N --memory-per-device 80GB``: search the parallel layouts.
 
-Every candidate is a full fxmega run setting — mesh ``dp x tp x pp x cp``, ZeRO stage,
-recompute mode, pipeline schedule, cp attention (sequence parallelism is on whenever tp > 1:
-it only saves memory). Context parallelism is searched for models that take it, with cp
-chunks of at least ``MIN_CP_CHUNK`` tokens (shorter ones leave a GPU's attention kernels
-idle), both all-gather and ring attention: the ring holds less, the all-gather sends less.
+Every candidate is a full fxmega run setting — mesh ``dp x tp x pp x cp`` (a mixture of
+experts also ``ep``, folded over the data ranks), ZeRO stage, recompute mode, pipeline
+schedule, cp attention (sequence parallelism is on whenever tp > 1: it only saves memory).
+Expert parallelism is searched over the divisors of dp that divide the experts. Context
+parallelism is searched for models that take it, with cp chunks of at least
+``MIN_CP_CHUNK`` tokens (shorter ones leave a GPU's attention kernels idle), both
+all-gather and ring attention: the ring holds less, the all-gather sends less.
 Each goes through the same planner and checks a real run goes through (``plan_from``,
 ``validate``, the schedule's micro-batch rules), so a candidate that does not divide is
 rejected with the planner's own message. The survivors are priced by
@@ -14,10 +16,12 @@ rejected with the planner's own message. The survivors are priced by
     tp       = tp bytes / bandwidth of the tp group (NVLink inside a node, else the network)
     cp       = cp bytes (attention's exchanges, the gradients' sum) / bandwidth of the cp
                group, not hidden (nothing orders attention's exchanges behind compute yet)
+    ep       = ep bytes (the experts' all-to-alls) / bandwidth of the ep group, not hidden
+               (each exchange feeds the experts' compute right after it)
     data     = gradient/parameter traffic / its bandwidth, hidden behind the backward
                (behind the whole step for ZeRO-3's gathers) as far as it fits
     pipeline = bubble (pp - 1) / (virtual x micro batches) of compute + tp, plus the sends
-    step     = (compute + tp + cp) x (1 + bubble) + exposed data + pipeline sends
+    step     = (compute + tp + cp + ep) x (1 + bubble) + exposed data + pipeline sends
 
 and ranked by step time. The estimate prices what fxmega's runtime does (no communication
 overlap inside tp, bucketed data-parallel reductions); it is a planning model, not a
@@ -103,6 +107,7 @@ class Candidate:
     virtual: int = 1
     cp: int = 1
     cp_attention: str = "allgather"
+    ep: int = 1  # folded over the dp data ranks (does not add devices)
     memory: int = 0  # peak bytes per device
     step_s: float = 0.0
     parts: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -111,7 +116,8 @@ class Candidate:
 
     @property
     def mesh(self) -> str:
-        return f"dp={self.dp},tp={self.tp},pp={self.pp}" + (f",cp={self.cp}" if self.cp > 1 else "")
+        return (f"dp={self.dp},tp={self.tp},pp={self.pp}" + (f",cp={self.cp}" if self.cp > 1 else "")
+                + (f",ep={self.ep}" if self.ep > 1 else ""))
 
     @property
     def devices(self) -> int:
@@ -142,6 +148,13 @@ def _cp_sizes(cfg: Any, devices: int) -> list[int]:
     return [cp for cp in _divisors(devices) if cfg.train.seq_len // (2 * cp) >= MIN_CP_CHUNK or cp == 1]
 
 
+def _ep_sizes(cfg: Any, dp: int) -> list[int]:
+    moe = getattr(cfg.model, "moe", None)
+    if moe is None or not moe.enabled:
+        return [1]
+    return [ep for ep in _divisors(dp) if moe.n_experts % ep == 0]
+
+
 def candidates(cfg: Any, devices: int, profile: DeviceProfile) -> list[Candidate]:
     out = []
     for cp in _cp_sizes(cfg, devices):
@@ -150,11 +163,13 @@ def candidates(cfg: Any, devices: int, profile: DeviceProfile) -> list[Candidate
                 dp = devices // (cp * tp * pp)
                 zeros = (0, 1) if pp > 1 else (0, 1, 2, 3)
                 schedules = SCHEDULE_CHOICES if pp > 1 else (("", 1),)
-                for zero in zeros:
-                    for recompute in RECOMPUTE_CHOICES:
-                        for schedule, virtual in schedules:
-                            for mode in CP_ATTENTION_CHOICES if cp > 1 else ("allgather",):
-                                out.append(Candidate(dp, tp, pp, zero, recompute, schedule, virtual, cp, mode))
+                for ep in _ep_sizes(cfg, dp):
+                    for zero in zeros:
+                        for recompute in RECOMPUTE_CHOICES:
+                            for schedule, virtual in schedules:
+                                for mode in CP_ATTENTION_CHOICES if cp > 1 else ("allgather",):
+                                    out.append(Candidate(dp, tp, pp, zero, recompute, schedule, virtual, cp, mode,
+                                                         ep))
     return out
 
 
@@ -204,20 +219,24 @@ def _price(cfg: Any, c: Candidate, est: Any, profile: DeviceProfile) -> None:
     tp_bw = profile.intra_bw if c.tp <= profile.per_node else profile.inter_bw
     # ranks: tp fastest, then cp, then the data axes
     cp_bw = profile.intra_bw if c.tp * c.cp <= profile.per_node else profile.inter_bw
+    ep_bw = profile.intra_bw if c.tp * c.cp * c.ep <= profile.per_node else profile.inter_bw
     data_bw = profile.intra_bw if c.tp * c.cp * c.dp <= profile.per_node else profile.inter_bw
     pp_bw = profile.intra_bw if devices <= profile.per_node else profile.inter_bw
     traffic = est.traffic
     tp_s = traffic["tp"].bytes_sent / tp_bw if "tp" in traffic else 0.0
     cp_s = traffic["cp"].bytes_sent / cp_bw if "cp" in traffic else 0.0
-    data_s = sum(v.bytes_sent for k, v in traffic.items() if k not in ("tp", "pp", "cp")) / data_bw
+    # over ep: the experts' all-to-alls; the rest (where dp x ep holds only ep) is gradient traffic
+    a2a = traffic["ep"].op_bytes.get("all_to_all", 0.0) if "ep" in traffic else 0.0
+    ep_s = a2a / ep_bw
+    data_s = (sum(v.bytes_sent for k, v in traffic.items() if k not in ("tp", "pp", "cp")) - a2a) / data_bw
     pp_s = traffic["pp"].bytes_sent / pp_bw if "pp" in traffic else 0.0
     hidden_behind = compute if c.zero == 3 else compute * 2 / 3
     exposed = max(0.0, data_s - hidden_behind)
     n_micro = est.work.n_micro
     bubble = (c.pp - 1) / (c.virtual * n_micro) if c.pp > 1 else 0.0
-    c.step_s = (compute + tp_s + cp_s) * (1 + bubble) + exposed + pp_s
-    c.parts = {"compute": compute, "tp": tp_s, "cp": cp_s, "data": data_s, "data exposed": exposed, "bubble": bubble,
-               "pp": pp_s}
+    c.step_s = (compute + tp_s + cp_s + ep_s) * (1 + bubble) + exposed + pp_s
+    c.parts = {"compute": compute, "tp": tp_s, "cp": cp_s, "ep": ep_s, "data": data_s, "data exposed": exposed,
+               "bubble": bubble, "pp": pp_s}
     c.mfu = flops / devices / c.step_s / profile.peak_flops
 
 
@@ -242,11 +261,12 @@ def report(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = 
              f"GB/s, network {profile.inter_bw / 1e9:.0f} GB/s, {profile.per_node} per node); global batch "
              f"{cfg.train.global_batch_size} x {cfg.train.seq_len} tokens, micro batch {cfg.train.micro_batch_size}",
              f"{len(found)} candidates, {len(ok)} fit and divide"]
-    rows = [("#", "layout", "memory/device", "step s", "MFU", "compute", "tp", "cp", "data (exposed)", "bubble")]
+    rows = [("#", "layout", "memory/device", "step s", "MFU", "compute", "tp", "cp", "ep", "data (exposed)",
+             "bubble")]
     for i, c in enumerate(ok[:top], 1):
         p = c.parts
         rows.append((str(i), c.describe(), f"{c.memory / 1e9:.1f} GB", f"{c.step_s:.3f}", f"{c.mfu:.0%}",
-                     f"{p['compute']:.3f}", f"{p['tp']:.3f}", f"{p['cp']:.3f}",
+                     f"{p['compute']:.3f}", f"{p['tp']:.3f}", f"{p['cp']:.3f}", f"{p['ep']:.3f}",
                      f"{p['data']:.3f} ({p['data exposed']:.3f})",
                      f"{p['bubble']:.0%}"))
 

@@ -114,6 +114,7 @@ class AxisTraffic:
     bytes_sent: float = 0.0
     collectives: int = 0
     ops: dict[str, int] = field(default_factory=dict)
+    op_bytes: dict[str, float] = field(default_factory=dict)  # bytes_sent by op
 
     def add(self, op: str, count: int, buffer_bytes: float, world: int, to_neighbour: bool = False) -> None:
         """``count`` collectives of ``op`` on ``buffer_bytes`` over ``world`` ranks (an
@@ -126,6 +127,7 @@ class AxisTraffic:
         self.bytes_sent += count * factor * buffer_bytes
         self.collectives += count
         self.ops[op] = self.ops.get(op, 0) + count
+        self.op_bytes[op] = self.op_bytes.get(op, 0.0) + count * factor * buffer_bytes
 
 
 # -- activations of one block -------------------------------------------------------------
