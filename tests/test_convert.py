@@ -1,5 +1,5 @@
-"""Hugging Face interop: a tiny random GPT-2, Llama, Mixtral and Qwen3-MoE saved by ``transformers`` import into
-fxmega with logits equal in float64 (1e-10), export back into directories that
+"""Hugging Face interop: a tiny random GPT-2, Llama, Mixtral, Qwen2-MoE and Qwen3-MoE saved by
+``transformers`` import into fxmega with logits equal in float64 (1e-10), export back into directories that
 ``transformers`` loads with identical weights and logits, and go through the command line
 and into training."""
 
@@ -65,9 +65,23 @@ def _hf_qwen3_moe():
     return transformers.Qwen3MoeForCausalLM(cfg)
 
 
+def _hf_qwen2_moe():
+    # biases on q, k and v; shared experts (2 expert widths) scaled by a sigmoid gate per
+    # token; top-k weights not renormalised (Qwen1.5-MoE's norm_topk_prob=False); a dense
+    # first layer
+    cfg = transformers.Qwen2MoeConfig(vocab_size=100, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64, num_experts=4,
+                                      num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[0],
+                                      qkv_bias=True, rope_theta=1e6, bos_token_id=0, eos_token_id=0,
+                                      attn_implementation="sdpa", experts_implementation="eager")
+    return transformers.Qwen2MoeForCausalLM(cfg)
+
+
 # name -> (the transformers model, fxmega's module, fxmega's family)
 MODELS = {"gpt2": (_hf_gpt2, gpt, "gpt"), "llama": (_hf_llama, llama, "llama"),
-          "mixtral": (_hf_mixtral, mixtral, "mixtral"), "qwen3_moe": (_hf_qwen3_moe, mixtral, "mixtral")}
+          "mixtral": (_hf_mixtral, mixtral, "mixtral"), "qwen3_moe": (_hf_qwen3_moe, mixtral, "mixtral"),
+          "qwen2_moe": (_hf_qwen2_moe, mixtral, "mixtral")}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -174,7 +188,8 @@ def test_conversion_errors(tmp_path):
     with pytest.raises(CheckpointError, match="has no config.json"):
         from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    with pytest.raises(ConfigError, match="model_type 't5': fxmega converts gpt2, llama, mixtral, qwen3_moe and bert"):
+    with pytest.raises(ConfigError, match="model_type 't5': fxmega converts gpt2, llama, mixtral, qwen2_moe, "
+                                          "qwen3_moe and bert"):
         from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(CheckpointError, match="has no model.safetensors"):

@@ -30,6 +30,7 @@ from tests.tolerance import assert_losses_match
     ("mixtral_8x7b", 46.7e9, 12.9e9),  # Jiang et al. 2024, Section 2
     ("deepseek_moe_16b", 16.4e9, 2.8e9),  # Dai et al. 2024, DeepSeekMoE 16B
     ("qwen3_30b_a3b", 30.5e9, 3.3e9),  # Qwen3 technical report, Table 2
+    ("qwen15_moe_a27b", 14.3e9, 2.7e9),  # Qwen1.5-MoE blog and model card
 ])
 def test_published_sizes(name, total, active):
     cfg = load(ROOT / "configs" / f"{name}.py").model
@@ -145,6 +146,9 @@ MOE_STEPS = 2
 # Qwen3's attention options on the same model: heads of width 8 (not 64 / 4) whose queries
 # and keys are RMS-normalised, so tp and ep see them too
 QWEN3_ATTENTION = ("model.qk_norm=true", "model.d_head=8")
+# Qwen2-MoE's pieces: biases on q, k and v (split over tp with their heads) and a sigmoid
+# gate on the shared experts' output (replicated; the gated output a partial sum under tp)
+QWEN2_EXTRAS = ("model.qkv_bias=true", "model.moe.shared_gate=true")
 
 
 def _mesh_config(parallel: dict | None = None):
@@ -200,8 +204,8 @@ EP_RUNS = {
 def _ep_config(name: str | None = None, *extra: str):
     return tiny_config(None if name is None else EP_RUNS[name][1], model="tiny_moe",
                        extra=("train.compile_backend=aot_eager", *BIAS, "model.moe.n_shared_experts=1",
-                              "model.moe.first_dense_layers=1", *QWEN3_ATTENTION, "train.micro_batch_size=2",
-                              *extra))
+                              "model.moe.first_dense_layers=1", *QWEN3_ATTENTION, *QWEN2_EXTRAS,
+                              "train.micro_batch_size=2", *extra))
 
 
 def ep_runs(names: list[str]) -> dict | None:

@@ -117,8 +117,8 @@ def _saved_by_autograd(model, mcfg, dtype, tp: int) -> int:
     from fxmega.ops.init import init_params
 
     def narrow(path: str, t: torch.Tensor) -> torch.Tensor:
-        dims = {"wqkv": -2, "bqkv": -2, "wq": 1, "wk": 1, "wv": 1, "wo": 0, "w_in": 1, "b_in": 0, "w_gate": -1,
-                "w_up": -1, "w_out": 0, "w_down": -2}
+        dims = {"wqkv": -2, "bqkv": -2, "wq": 1, "wk": 1, "wv": 1, "bq": 0, "bk": 0, "bv": 0, "wo": 0, "w_in": 1,
+                "b_in": 0, "w_gate": -1, "w_up": -1, "w_out": 0, "w_down": -2}
         d = dims.get(path.split(".")[-1])
         return t if d is None else t.narrow(d, 0, t.shape[d] // tp)
 
@@ -166,11 +166,12 @@ def test_activation_census_matches_autograd():
 
 @pytest.mark.parametrize("capacity", [1.0, 0.0])
 def test_moe_activation_census_matches_autograd(capacity):
-    """A MoE block's table (``mixtral.block_saved``: router, pairs, buffers, experts, shared
-    experts) against what eager autograd keeps, capacity and dropless, fp32 and bf16, tp 1
-    and 2. What it leaves out, each named: per-sequence balancing values ([B, E] loads and
-    a few [B] sums), the dispatch's spare row for dropped pairs, and dropless's CPU fallback
-    masks (each expert's rows, per product; the grouped product on GPUs has none)."""
+    """A MoE block's table (``mixtral.block_saved``: router, pairs, buffers, experts, gated
+    shared experts; Qwen2-MoE's attention biases keep nothing) against what eager autograd
+    keeps, capacity and dropless, fp32 and bf16, tp 1 and 2. What it leaves out, each named:
+    per-sequence balancing values ([B, E] loads and a few [B] sums), the dispatch's spare
+    row for dropped pairs, and dropless's CPU fallback masks (each expert's rows, per
+    product; the grouped product on GPUs has none)."""
     import torch
 
     from fxmega.models import mixtral
@@ -178,8 +179,9 @@ def test_moe_activation_census_matches_autograd(capacity):
 
     e, k, f, b, d = 4, 2, 96, 2, 128
     mcfg = mixtral.Config(vocab_size=256, max_seq_len=128, d_model=d, n_layers=1, n_heads=4, n_kv_heads=2,
-                          d_ff=160, moe=MoE(n_experts=e, top_k=k, d_expert=f, n_shared_experts=1,
-                                            capacity_factor=capacity, aux_loss_coeff=0.01, z_loss_coeff=1e-3))
+                          d_ff=160, qkv_bias=True,
+                          moe=MoE(n_experts=e, top_k=k, d_expert=f, n_shared_experts=1, shared_gate=True,
+                                  capacity_factor=capacity, aux_loss_coeff=0.01, z_loss_coeff=1e-3))
     for dtype in (torch.float32, torch.bfloat16):
         for tp in (1, 2):
             act = torch.finfo(dtype).bits // 8

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fxmega.core.errors import ConfigError
-from fxmega.core.spec import ONES, Init, ParamSpec, normal
+from fxmega.core.spec import ONES, ZEROS, Init, ParamSpec, normal
 from fxmega.models.census import Saved
 from fxmega.models.checks import require_positive
 from fxmega.ops import layers, objectives
@@ -39,6 +39,7 @@ class Config:
     init_std: float = 0.02
     d_head: int = 0  # each head's width (0: d_model / n_heads; Qwen3 sets it apart, e.g. 128 at d_model 2048, 32 heads)
     qk_norm: bool = False  # RMSNorm over each head's query and key before the rotation (Qwen3, OLMo 2)
+    qkv_bias: bool = False  # biases on the query, key and value projections (Qwen2, Qwen2-MoE)
 
     @property
     def head_dim(self) -> int:
@@ -97,6 +98,9 @@ def block_specs(cfg: Any, feed_forward: dict) -> dict:
             "wo": ParamSpec((h, hd, d), ("heads", "head_dim", "embed"), residual),
             **({"q_norm": {"scale": ParamSpec((hd,), ("head_dim",), ONES)},
                 "k_norm": {"scale": ParamSpec((hd,), ("head_dim",), ONES)}} if cfg.qk_norm else {}),
+            **({"bq": ParamSpec((h, hd), ("heads", "head_dim"), ZEROS),
+                "bk": ParamSpec((kv, hd), ("kv_heads", "head_dim"), ZEROS),
+                "bv": ParamSpec((kv, hd), ("kv_heads", "head_dim"), ZEROS)} if cfg.qkv_bias else {}),
         },
         "mlp_norm": {"scale": ParamSpec((d,), ("embed",), ONES)},
         **feed_forward,
@@ -182,9 +186,9 @@ def attention(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None 
               write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """Causal self-attention with rotary positions; with ``cache`` and ``write`` (decoding, see
     ``fxmega.models.pieces.decode_pieces``) it attends over the cache instead and also returns the updated cache."""
-    q = layers.project_to_heads(x, p["wq"])
-    k = layers.project_to_heads(x, p["wk"])
-    v = layers.project_to_heads(x, p["wv"])
+    q = layers.project_to_heads(x, p["wq"], p.get("bq"))
+    k = layers.project_to_heads(x, p["wk"], p.get("bk"))
+    v = layers.project_to_heads(x, p["wv"], p.get("bv"))
     if "q_norm" in p:  # qk_norm: each head's query and key normalised over head_dim, then rotated
         q = layers.rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps)
         k = layers.rms_norm(k, p["k_norm"]["scale"], cfg.norm_eps)

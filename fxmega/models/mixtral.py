@@ -110,6 +110,9 @@ def block_saved(cfg: Config, index: int, seq_len: int, ep: int) -> tuple[Saved, 
             Saved("moe.pair_outputs", k, "embed", "act", False, "gathered"),
         )
     shared = llama.mlp_saved("moe.shared", "shared_mlp") if cfg.moe.n_shared_experts else ()
+    if cfg.moe.shared_gate:  # the shared experts' output and its gate, for their product's backward
+        shared += (Saved("moe.shared_out", 1, "embed", "act", False, "other"),
+                   Saved("moe.shared_gate", 1, "one", "act", False, "other"))
     return llama.SAVED_BESIDE_MLP + router + pairs + routed + shared
 
 
@@ -134,11 +137,16 @@ def param_specs(cfg: Config) -> dict:
 
 def feed_forward(p: dict, h: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Experts where the block has them (``p["moe"]``, with its shared experts as Llama's MLP
-    beside them), else the dense MLP."""
+    beside them, gated per token where the layer has ``shared_gate``), else the dense MLP."""
     if "moe" not in p:
         return llama.mlp(p["mlp"], h)
     y = moe.moe_ffn(p["moe"], h, cfg.moe, valid)
-    return y + llama.mlp(p["moe"]["shared"], h) if "shared" in p["moe"] else y
+    if "shared" not in p["moe"]:
+        return y
+    shared = llama.mlp(p["moe"]["shared"], h)
+    if "shared_gate" in p["moe"]:  # Qwen2-MoE: how much of the shared experts each token takes
+        shared = shared * torch.sigmoid(h @ p["moe"]["shared_gate"])
+    return y + shared
 
 
 def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,

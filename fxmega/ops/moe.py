@@ -31,6 +31,7 @@ class MoE:
     top_k: int = 2
     d_expert: int = 0  # each routed expert's hidden width (0: the model's d_ff)
     n_shared_experts: int = 0  # always-on experts of width d_expert each, run as one MLP
+    shared_gate: bool = False  # the shared experts' output scaled by a sigmoid gate per token (Qwen2-MoE)
     first_dense_layers: int = 0  # the first layers keep a dense MLP of width d_ff (DeepSeek: 1 or 3)
     score: str = "softmax"  # softmax (Mixtral, Qwen) or sigmoid (DeepSeek-V3)
     norm_topk: bool = True  # the k weights sum to 1 (Mixtral, Qwen3, DeepSeek-V3; Qwen2-MoE: False)
@@ -67,6 +68,8 @@ class MoE:
         if eligible < self.top_k:
             raise ConfigError(f"{prefix}: the {self.topk_groups} best groups hold {eligible} experts, fewer "
                               f"than top_k={self.top_k}: raise topk_groups")
+        if self.shared_gate and not self.n_shared_experts:
+            raise ConfigError(f"{prefix}.shared_gate=True without shared experts: give n_shared_experts >= 1")
         for name in ("d_expert", "n_shared_experts", "first_dense_layers", "capacity_factor", "aux_loss_coeff",
                      "z_loss_coeff", "bias_update_rate"):
             if getattr(self, name) < 0:
@@ -83,8 +86,9 @@ class MoE:
 
 def param_specs(moe: MoE, d_model: int, d_ff: int, weight: Init, residual: Init) -> dict:
     """One MoE layer's parameters: the router ``[embed, expert_logits]``, the routed experts'
-    SwiGLU weights stacked along ``expert``, the shared experts' as one dense SwiGLU, and
-    with ``expert_bias`` the selection bias (zeros; moved by the load, not by AdamW)."""
+    SwiGLU weights stacked along ``expert``, the shared experts' as one dense SwiGLU (and
+    with ``shared_gate`` their gate ``[embed, shared_gate]``), and with ``expert_bias`` the
+    selection bias (zeros; moved by the load, not by AdamW)."""
     d, e, f = d_model, moe.n_experts, moe.expert_width(d_ff)
     out = {
         "router": ParamSpec((d, e), ("embed", "expert_logits"), weight),
@@ -101,6 +105,8 @@ def param_specs(moe: MoE, d_model: int, d_ff: int, weight: Init, residual: Init)
             "w_up": ParamSpec((d, fs), ("embed", "mlp"), weight),
             "w_down": ParamSpec((fs, d), ("mlp", "embed"), residual),
         }
+        if moe.shared_gate:
+            out["shared_gate"] = ParamSpec((d, 1), ("embed", "shared_gate"), weight)
     return out
 
 

@@ -6,7 +6,8 @@ A rule set is a plain dict from logical name to a mesh axis, a tuple of mesh axe
 
 Logical names used by fxmega's models:
   parameters   vocab, position, embed, heads, kv_heads, head_dim, qkv, mlp, expert (the
-               experts stacked in a MoE layer), expert_logits (the router's output)
+               experts stacked in a MoE layer), expert_logits (the router's output),
+               shared_gate (the one output of the shared experts' gate)
   activations  batch, seq (the residual stream's sequence), ctx (the sequence inside a
                block), embed, heads, kv_heads, head_dim, mlp, vocab; attention's keys
                and values name the sequence ``None`` (whole)
@@ -41,7 +42,7 @@ Rules = dict[str, "str | tuple[str, ...] | None"]
 # Every logical name fxmega's models use, so that a typo in a rule is caught even when the
 # model at hand does not use that (correctly spelled) name, e.g. kv_heads in GPT.
 LOGICAL_AXES = ("batch", "seq", "embed", "vocab", "position", "heads", "kv_heads", "head_dim", "qkv", "mlp", "expert",
-                "expert_logits")
+                "expert_logits", "shared_gate")
 
 # Megatron-LM: column-parallel QKV and MLP-in (heads, kv_heads, mlp split over tp),
 # row-parallel attention-out and MLP-out (their *input* dim is split, so the output is a

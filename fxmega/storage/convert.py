@@ -73,7 +73,9 @@ _LLAMA_REQUIRED = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidd
 _REQUIRED = {"gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"),
              "llama": _LLAMA_REQUIRED,
              "mixtral": (*_LLAMA_REQUIRED, "num_local_experts", "num_experts_per_tok"),
-             "qwen3_moe": (*_LLAMA_REQUIRED, "moe_intermediate_size", "num_experts_per_tok")}
+             "qwen3_moe": (*_LLAMA_REQUIRED, "moe_intermediate_size", "num_experts_per_tok"),
+             "qwen2_moe": (*_LLAMA_REQUIRED, "moe_intermediate_size", "num_experts_per_tok",
+                           "shared_expert_intermediate_size")}
 
 
 def config_from_hf(hf: dict[str, Any]) -> tuple[str, gpt.Config | llama.Config]:
@@ -97,32 +99,44 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[str, gpt.Config | llama.Config]:
         moe = MoE(n_experts=hf["num_local_experts"], top_k=hf["num_experts_per_tok"],
                   aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
         return "mixtral", mixtral.Config(**_llama_fields(hf), moe=moe)
-    if kind == "qwen3_moe":
-        return "mixtral", _qwen3_moe_config(hf)
-    raise ConfigError(f"Hugging Face model_type {kind!r}: fxmega converts gpt2, llama, mixtral, qwen3_moe and bert")
+    if kind in ("qwen3_moe", "qwen2_moe"):
+        return "mixtral", _qwen_moe_config(hf, kind)
+    raise ConfigError(f"Hugging Face model_type {kind!r}: fxmega converts gpt2, llama, mixtral, qwen2_moe, qwen3_moe "
+                      f"and bert")
 
 
-def _qwen3_moe_config(hf: dict[str, Any]) -> mixtral.Config:
-    """Qwen3-MoE as the mixtral family: Llama attention with each head's query and key
-    RMS-normalised (``qk_norm``) and a head width of its own (``head_dim``), softmax top-k
-    routing over ``moe_intermediate_size`` experts, the ``mlp_only_layers`` dense."""
+def _qwen_moe_config(hf: dict[str, Any], kind: str) -> mixtral.Config:
+    """Qwen-MoE as the mixtral family: Llama attention, softmax top-k routing over
+    ``moe_intermediate_size`` experts, the ``mlp_only_layers`` dense. Qwen3-MoE normalises
+    each head's query and key (``qk_norm``) and may give heads a width of their own
+    (``head_dim``); Qwen2-MoE has biases on the query, key and value projections and shared
+    experts of ``shared_expert_intermediate_size`` (whole expert widths, as one MLP) whose
+    output each token scales by a sigmoid gate."""
     n_experts = hf.get("num_experts", hf.get("num_local_experts"))
     _require(isinstance(n_experts, int) and n_experts > 0,
-             f"config.json (qwen3_moe) has no expert count (num_experts / num_local_experts): {n_experts!r}")
+             f"config.json ({kind}) has no expert count (num_experts / num_local_experts): {n_experts!r}")
     layers = hf["num_hidden_layers"]
     dense = sorted(hf.get("mlp_only_layers") or [])
     step = hf.get("decoder_sparse_step", 1)
     _require(step == 1 and dense == list(range(len(dense))),
-             f"qwen3_moe with decoder_sparse_step={step} and mlp_only_layers={dense}: fxmega's MoE layers follow "
+             f"{kind} with decoder_sparse_step={step} and mlp_only_layers={dense}: fxmega's MoE layers follow "
              f"the first dense ones without gaps (first_dense_layers); these layers are not")
-    _require(not hf.get("use_sliding_window"), "qwen3_moe with use_sliding_window: fxmega attends over the whole "
-                                               "context")
-    moe = MoE(n_experts=n_experts, top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],
-              norm_topk=bool(hf.get("norm_topk_prob", False)), first_dense_layers=len(dense),
-              aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
-    _require(len(dense) < layers, f"qwen3_moe: all {layers} layers are in mlp_only_layers; that is a dense Qwen3")
-    fields = _llama_fields({**hf, "head_dim": None})  # head_dim is Qwen3's own: d_head below
-    return mixtral.Config(**fields, d_head=hf.get("head_dim") or 0, qk_norm=True, moe=moe)
+    _require(not hf.get("use_sliding_window"), f"{kind} with use_sliding_window: fxmega attends over the whole "
+                                               f"context")
+    f = hf["moe_intermediate_size"]
+    shared = hf.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
+    _require(kind != "qwen2_moe" or (shared > 0 and shared % f == 0),
+             f"qwen2_moe with shared_expert_intermediate_size={shared} and moe_intermediate_size={f}: fxmega runs "
+             f"shared experts as n whole experts of width {f} (Qwen1.5-MoE-A2.7B: 5632 = 4 x 1408)")
+    moe = MoE(n_experts=n_experts, top_k=hf["num_experts_per_tok"], d_expert=f, n_shared_experts=shared // f,
+              shared_gate=bool(shared), norm_topk=bool(hf.get("norm_topk_prob", False)),
+              first_dense_layers=len(dense), aux_loss_coeff=float(hf.get("router_aux_loss_coef", 0.0)))
+    _require(len(dense) < layers, f"{kind}: all {layers} layers are in mlp_only_layers; that is a dense model")
+    fields = _llama_fields({**hf, "head_dim": None})  # head_dim may be Qwen's own: d_head below
+    head_dim = hf.get("head_dim") or 0
+    if kind == "qwen2_moe":  # transformers' Qwen2-MoE attention has biases unless the config says not
+        return mixtral.Config(**fields, d_head=head_dim, qkv_bias=bool(hf.get("qkv_bias", True)), moe=moe)
+    return mixtral.Config(**fields, d_head=head_dim, qk_norm=True, moe=moe)
 
 
 def _llama_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -192,10 +206,11 @@ def config_to_hf(family: str, cfg: gpt.Config | llama.Config, dtype: torch.dtype
            "rope_parameters": _rope_to_hf(cfg),
            "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "tie_word_embeddings": False,
            "attention_bias": False, "mlp_bias": False, "torch_dtype": torch_dtype}
-    _require(family != "llama" or not (cfg.qk_norm or cfg.d_head), "a llama with qk_norm or a head width of its "
-                                                                  "own is not a LlamaForCausalLM; it is not exported")
-    if family == "mixtral" and cfg.qk_norm:
-        return out | _qwen3_moe_to_hf(cfg)
+    _require(family != "llama" or not (cfg.qk_norm or cfg.d_head or cfg.qkv_bias),
+             "a llama with qk_norm, query/key/value biases or a head width of its own is not a LlamaForCausalLM; it "
+             "is not exported")
+    if family == "mixtral" and hf_kind(family, cfg) != "mixtral":
+        return out | _qwen_moe_to_hf(cfg, hf_kind(family, cfg))
     if family == "mixtral":
         _require(_plain_mixtral(cfg), f"this mixtral-family model ({cfg.moe}, d_head={cfg.d_head}) has features "
                                       f"MixtralForCausalLM lacks (shared experts, dense first layers, expert width "
@@ -210,19 +225,27 @@ def _plain_mixtral(cfg: mixtral.Config) -> bool:
     m = cfg.moe
     return (not m.n_shared_experts and not m.first_dense_layers and m.expert_width(cfg.d_ff) == cfg.d_ff
             and m.score == "softmax" and m.norm_topk and m.n_groups == 1 and m.route_scale == 1.0
-            and not m.expert_bias and not cfg.d_head)
+            and not m.expert_bias and not cfg.d_head and not cfg.qkv_bias)
 
 
-def _qwen3_moe_to_hf(cfg: mixtral.Config) -> dict[str, Any]:
+def _qwen_moe_to_hf(cfg: mixtral.Config, kind: str) -> dict[str, Any]:
     m = cfg.moe
-    _require(not m.n_shared_experts and m.score == "softmax" and m.n_groups == 1 and m.route_scale == 1.0
-             and not m.expert_bias, f"this mixtral-family model with qk_norm ({m}) has features Qwen3MoeForCausalLM "
-                                    f"lacks (shared experts, sigmoid or grouped routing, an expert bias)")
-    return {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "head_dim": cfg.head_dim,
-            "num_experts": m.n_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": m.expert_width(
-                cfg.d_ff), "norm_topk_prob": m.norm_topk, "mlp_only_layers": list(range(m.first_dense_layers)),
-            "decoder_sparse_step": 1, "router_aux_loss_coef": m.aux_loss_coeff, "use_sliding_window": False,
-            "sliding_window": None}
+    f = m.expert_width(cfg.d_ff)
+    routing_ok = m.score == "softmax" and m.n_groups == 1 and m.route_scale == 1.0 and not m.expert_bias
+    out = {"head_dim": cfg.head_dim, "num_experts": m.n_experts, "num_experts_per_tok": m.top_k,
+           "moe_intermediate_size": f, "norm_topk_prob": m.norm_topk,
+           "mlp_only_layers": list(range(m.first_dense_layers)), "decoder_sparse_step": 1,
+           "router_aux_loss_coef": m.aux_loss_coeff, "use_sliding_window": False, "sliding_window": None}
+    if kind == "qwen3_moe":
+        _require(routing_ok and not m.n_shared_experts and not cfg.qkv_bias,
+                 f"this mixtral-family model with qk_norm ({m}) has features Qwen3MoeForCausalLM lacks (shared "
+                 f"experts, query/key/value biases, sigmoid or grouped routing, an expert bias)")
+        return out | {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}
+    _require(routing_ok and m.n_shared_experts and m.shared_gate,
+             f"this mixtral-family model ({m}) has features Qwen2MoeForCausalLM lacks (shared experts without a "
+             f"gate, sigmoid or grouped routing, an expert bias)")
+    return out | {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "qkv_bias": cfg.qkv_bias,
+                  "shared_expert_intermediate_size": m.n_shared_experts * f}
 
 
 # Hugging Face model_type -> (its state dict -> params, params -> state dict); a family
@@ -230,13 +253,17 @@ def _qwen3_moe_to_hf(cfg: mixtral.Config) -> dict[str, Any]:
 _LAYOUTS = {"gpt2": (hf_layout.gpt2_from_hf, hf_layout.gpt2_to_hf),
             "llama": (hf_layout.llama_from_hf, hf_layout.llama_to_hf),
             "mixtral": (hf_layout.mixtral_from_hf, hf_layout.mixtral_to_hf),
-            "qwen3_moe": (hf_layout.qwen3_moe_from_hf, hf_layout.qwen3_moe_to_hf)}
+            "qwen3_moe": (hf_layout.qwen_moe_from_hf, hf_layout.qwen_moe_to_hf),
+            "qwen2_moe": (hf_layout.qwen_moe_from_hf, hf_layout.qwen_moe_to_hf)}
 
 
 def hf_kind(family: str, cfg: Any) -> str:
-    """The Hugging Face model_type fxmega writes a ``family`` model as."""
+    """The Hugging Face model_type fxmega writes a ``family`` model as: a mixtral-family
+    model with ``qk_norm`` as Qwen3-MoE, with a gate on its shared experts as Qwen2-MoE."""
     if family == "mixtral" and cfg.qk_norm:
         return "qwen3_moe"
+    if family == "mixtral" and cfg.moe.shared_gate:
+        return "qwen2_moe"
     return {"gpt": "gpt2"}.get(family, family)
 
 

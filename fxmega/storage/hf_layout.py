@@ -85,11 +85,17 @@ def _llama_block_from_hf(sd: dict[str, torch.Tensor], p: str, cfg: llama.Config)
 
 def _llama_attn(sd: dict[str, torch.Tensor], p: str, cfg: llama.Config) -> dict:
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    biases = {}
+    if cfg.qkv_bias:  # Qwen2-MoE
+        biases = {"bq": sd[f"{p}.self_attn.q_proj.bias"].reshape(h, hd),
+                  "bk": sd[f"{p}.self_attn.k_proj.bias"].reshape(kv, hd),
+                  "bv": sd[f"{p}.self_attn.v_proj.bias"].reshape(kv, hd)}
     return {
         "wq": sd[f"{p}.self_attn.q_proj.weight"].t().reshape(d, h, hd),
         "wk": sd[f"{p}.self_attn.k_proj.weight"].t().reshape(d, kv, hd),
         "wv": sd[f"{p}.self_attn.v_proj.weight"].t().reshape(d, kv, hd),
         "wo": sd[f"{p}.self_attn.o_proj.weight"].t().reshape(h, hd, d),
+        **biases,
     }
 
 
@@ -148,6 +154,7 @@ def _moe_to_hf(m: dict, experts: str, router: str, names: tuple[str, str, str]) 
 def _llama_block_to_hf(b: dict, p: str, d: int) -> dict[str, torch.Tensor]:
     a = b["attn"]
     norms = {f"{p}.self_attn.{n}.weight": a[n]["scale"] for n in ("q_norm", "k_norm") if n in a}
+    norms |= {f"{p}.self_attn.{n}_proj.bias": a[f"b{n}"].reshape(-1) for n in "qkv" if f"b{n}" in a}
     return norms | {
         f"{p}.input_layernorm.weight": b["attn_norm"]["scale"],
         f"{p}.post_attention_layernorm.weight": b["mlp_norm"]["scale"],
@@ -186,34 +193,41 @@ def mixtral_to_hf(params: dict, cfg: mixtral.Config) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in sd.items()}
 
 
-def _dense_mlp_from_hf(sd: dict[str, torch.Tensor], p: str) -> dict:
-    return {"mlp": {"w_gate": sd[f"{p}.mlp.gate_proj.weight"].t(), "w_up": sd[f"{p}.mlp.up_proj.weight"].t(),
-                    "w_down": sd[f"{p}.mlp.down_proj.weight"].t()}}
+def _dense_mlp_from_hf(sd: dict[str, torch.Tensor], p: str, under: str = ".mlp") -> dict:
+    """A SwiGLU MLP from ``{p}{under}.{gate,up,down}_proj.weight``."""
+    return {"mlp": {"w_gate": sd[f"{p}{under}.gate_proj.weight"].t(), "w_up": sd[f"{p}{under}.up_proj.weight"].t(),
+                    "w_down": sd[f"{p}{under}.down_proj.weight"].t()}}
 
 
-def _dense_mlp_to_hf(m: dict, p: str) -> dict[str, torch.Tensor]:
-    return {f"{p}.mlp.gate_proj.weight": m["w_gate"].t(), f"{p}.mlp.up_proj.weight": m["w_up"].t(),
-            f"{p}.mlp.down_proj.weight": m["w_down"].t()}
+def _dense_mlp_to_hf(m: dict, p: str, under: str = ".mlp") -> dict[str, torch.Tensor]:
+    return {f"{p}{under}.gate_proj.weight": m["w_gate"].t(), f"{p}{under}.up_proj.weight": m["w_up"].t(),
+            f"{p}{under}.down_proj.weight": m["w_down"].t()}
 
 
-def qwen3_moe_from_hf(sd: dict[str, torch.Tensor], cfg: mixtral.Config) -> dict:
-    """fxmega params (the mixtral family with ``qk_norm``) from a ``Qwen3MoeForCausalLM``
-    checkpoint: per expert ``gate_proj``, ``up_proj`` ``[f, d]`` and ``down_proj`` ``[d, f]``
-    under ``mlp.experts``, the router ``mlp.gate [E, d]``; the first ``first_dense_layers``
-    (Qwen's ``mlp_only_layers``) a dense ``mlp``."""
+def qwen_moe_from_hf(sd: dict[str, torch.Tensor], cfg: mixtral.Config) -> dict:
+    """fxmega params (the mixtral family) from a ``Qwen3MoeForCausalLM`` or
+    ``Qwen2MoeForCausalLM`` checkpoint: per expert ``gate_proj``, ``up_proj`` ``[f, d]`` and
+    ``down_proj`` ``[d, f]`` under ``mlp.experts``, the router ``mlp.gate [E, d]``; Qwen2-MoE's
+    shared experts as one MLP ``mlp.shared_expert`` with its gate ``mlp.shared_expert_gate
+    [1, d]``; the first ``first_dense_layers`` (Qwen's ``mlp_only_layers``) a dense ``mlp``."""
     blocks = []
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}"
         if not cfg.moe.is_moe_layer(i):
             blocks.append(_llama_block_from_hf(sd, p, cfg) | _dense_mlp_from_hf(sd, p))
             continue
-        blocks.append(_llama_block_from_hf(sd, p, cfg) | _moe_from_hf(sd, f"{p}.mlp.experts", f"{p}.mlp.gate.weight",
-                                                                      QWEN_EXPERT, cfg.moe.n_experts))
+        block = _llama_block_from_hf(sd, p, cfg) | _moe_from_hf(sd, f"{p}.mlp.experts", f"{p}.mlp.gate.weight",
+                                                                QWEN_EXPERT, cfg.moe.n_experts)
+        if cfg.moe.n_shared_experts:
+            block["moe"]["shared"] = _dense_mlp_from_hf(sd, f"{p}.mlp.shared_expert", "")["mlp"]
+            block["moe"]["shared_gate"] = sd[f"{p}.mlp.shared_expert_gate.weight"].t()
+        blocks.append(block)
     return _llama_outer_from_hf(sd, blocks)
 
 
-def qwen3_moe_to_hf(params: dict, cfg: mixtral.Config) -> dict[str, torch.Tensor]:
-    """A ``Qwen3MoeForCausalLM`` checkpoint (the Hub's per-expert layout) from fxmega params."""
+def qwen_moe_to_hf(params: dict, cfg: mixtral.Config) -> dict[str, torch.Tensor]:
+    """A ``Qwen3MoeForCausalLM`` or ``Qwen2MoeForCausalLM`` checkpoint (the Hub's per-expert
+    layout) from fxmega params: the inverse of ``qwen_moe_from_hf``."""
     sd = _llama_outer_to_hf(params)
     for i, b in enumerate(params["blocks"]):
         p = f"model.layers.{i}"
@@ -222,4 +236,7 @@ def qwen3_moe_to_hf(params: dict, cfg: mixtral.Config) -> dict[str, torch.Tensor
             sd |= _dense_mlp_to_hf(b["mlp"], p)
             continue
         sd |= _moe_to_hf(b["moe"], f"{p}.mlp.experts", f"{p}.mlp.gate.weight", QWEN_EXPERT)
+        if "shared" in b["moe"]:
+            sd |= _dense_mlp_to_hf(b["moe"]["shared"], f"{p}.mlp.shared_expert", "")
+            sd[f"{p}.mlp.shared_expert_gate.weight"] = b["moe"]["shared_gate"].t()
     return {k: v.contiguous() for k, v in sd.items()}
