@@ -39,9 +39,9 @@ def test_tp_varies_fastest_then_dp_then_pp():
     ("dp=2,foo=2", "unknown axis 'foo'"),
     ("dp=2,dp=2", "given twice"),
     ("2x2x2x2x2", "gives 5 sizes but the axis order dp x tp x pp x cp names only 4"),
-    ("ep=2", r"ep=2 does not divide dp=1; ep is folded over the data ranks.*--mesh dp=2,ep=2"),
+    ("ep=2", r"ep=2 does not divide dp=1; ep is folded over the dp ranks.*--mesh dp=2,ep=2"),
     ("dp=6,ep=4", "ep=4 does not divide dp=6"),
-    ("fsdp=4,ep=2", "ep folds over the dp axis, and fsdp=4 is not folded yet"),
+    ("fsdp=6,ep=4", "ep=4 does not divide fsdp=6; ep is folded over the fsdp ranks"),
     ("twox2", "is not a whole number"),
 ])
 def test_bad_meshes(text, message):
@@ -56,6 +56,24 @@ def test_ep_folds_over_the_data_ranks():
     assert [mesh.data_rank(r) for r in range(0, 8, 2)] == [0, 1, 2, 3]  # every data rank once, tp inside
     assert [mesh.coords(r)["ep"] for r in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]  # ep neighbours after tp
     assert mesh.describe() == "dp=4 [ep=2 x expert-data 2] x tp=2 (8 ranks)"
+
+
+def test_ep_folds_over_fsdp_where_the_mesh_has_it():
+    # torchtitan's layout: ep carved out of the fsdp ranks; dense parameters sharded over all
+    # of them (fsdp x ep), experts over the fsdp ranks that hold the same experts; with HSDP
+    # (dp x fsdp) dp stays the replicas' axis
+    specs = mixtral.param_specs(mixtral.Config(vocab_size=256, max_seq_len=64, d_model=64, n_layers=2, n_heads=4,
+                                               n_kv_heads=2, d_ff=128, moe=MoE(n_experts=4, top_k=2)))
+    mesh = parse_mesh("dp=2,fsdp=4,ep=2")
+    assert mesh.ep_over == "fsdp" and mesh.size("fsdp") == 2 and mesh.size("dp") == 2 and mesh.data_size == 8
+    assert mesh.describe() == "dp=2 x fsdp=4 [ep=2 x expert-fsdp 2] (8 ranks)"
+    plan = make_plan(specs, mesh, preset("fsdp"))
+    dense = plan.params["blocks.0.attn.wq"]
+    assert dense.data_axes["param"] == ("fsdp", "ep") and dense.local_shape() == (16, 4, 16)
+    assert dense.replica_axes(("dp", "fsdp", "ep")) == ("dp",)
+    w = plan.params["blocks.0.moe.w_gate"]
+    assert w.ep_dim == 0 and w.data_axes["param"] == ("fsdp",) and w.local_shape() == (2, 32, 128)
+    assert w.replica_axes(("dp", "fsdp", "ep")) == ("dp",)  # ep: the all-to-all's backward sums it
 
 
 def test_experts_split_over_ep_and_the_rest_over_every_data_rank():

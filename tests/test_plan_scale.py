@@ -90,6 +90,8 @@ def test_fake_parallel_shards_match_the_plan():
     ("tiny_moe", ["parallel.mesh=dp=2,ep=2,tp=2", "model.moe.capacity_factor=1.0", "compute.recompute=selective"]),
     ("tiny_moe", ["parallel.mesh=dp=2,ep=2", "compute.recompute=full"]),
     ("tiny_moe", ["parallel.mesh=tp=2", "parallel.sequence_parallel=true"]),  # the router's partial gradients
+    ("tiny_moe", ["parallel.mesh=dp=4,ep=2", "parallel.zero=3"]),  # gathers: dense over dp x ep, experts over dp
+    ("tiny_moe", ["parallel.mesh=fsdp=4,ep=2", "parallel.rules=fsdp"]),  # ... over fsdp x ep and fsdp
 ])
 @pytest.mark.slow
 def test_estimated_collectives_equal_the_traced_step(name, sets):

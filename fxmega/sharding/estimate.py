@@ -548,11 +548,16 @@ def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: 
             for bucket in collectives.buckets([p.local_numel("grad") for p in ps], bucket_numel):
                 add(op, axes, count, sum(numel_of(ps[i]) for i in bucket) * itemsize)
 
-    gathered = [p for p in mine if p.data_axes["param"]]
-    if gathered:  # ZeRO-3 / FSDP: per micro batch and piece, gathered, gathered again in the backward
-        axes = gathered[0].data_axes["param"]  # where it reads its parameters, gradients reduce-scattered;
-        # the embedding's backward reads none unless the family says so (a lookup needs only the ids)
-        copy = DTYPE_BYTES[work.precision]
+    by_axes: dict[tuple[str, ...], list] = {}
+    for p in mine:
+        if p.data_axes["param"]:
+            by_axes.setdefault(p.data_axes["param"], []).append(p)
+    # ZeRO-3 / FSDP: per micro batch and piece, gathered, gathered again in the backward, over
+    # the axes that shard them (one collective per piece and group: with ep, a block's experts
+    # over their own data ranks); gradients reduce-scattered. The embedding's backward reads
+    # no parameters unless the family says so (a lookup needs only the ids)
+    copy = DTYPE_BYTES[work.precision]
+    for axes, gathered in sorted(by_axes.items()):
         for kind, numel in _pieces(gathered, groups):
             again = embed_regathered if kind == "embed" else True
             add("all_gather", axes, n * (2 if again else 1), numel * copy)

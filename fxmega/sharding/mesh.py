@@ -34,15 +34,18 @@ from typing import Any
 from fxmega.core.errors import ConfigError
 
 PHYSICAL_ORDER = ("pp", "dp", "fsdp", "ep", "cp", "tp")  # slowest to fastest
-DATA_AXES = ("dp", "fsdp", "ep")  # the axes that split the batch (ep folded over the written dp)
+DATA_AXES = ("dp", "fsdp", "ep")  # the axes that split the batch (ep folded over the written dp or fsdp)
 DEFAULT_ORDER = ("dp", "tp", "pp", "cp")  # --mesh 8x4x2 is dp x tp x pp; a fourth size is cp
 
 
 @dataclass(frozen=True)
 class MeshSpec:
-    """Axis sizes, held in physical order (slowest first); absent axes have size 1."""
+    """Axis sizes, held in physical order (slowest first); absent axes have size 1. ``ep_over``
+    says which written data axis ep was folded over: dp (Megatron's "expert-data" ranks), or
+    fsdp (torchtitan's: the dense parameters sharded over fsdp x ep, the experts over fsdp)."""
 
     sizes: tuple[tuple[str, int], ...]
+    ep_over: str = "dp"
 
     @staticmethod
     def of(**sizes: int) -> MeshSpec:
@@ -91,15 +94,16 @@ class MeshSpec:
         return index
 
     def describe(self) -> str:
-        """The mesh as written (dp counts every data rank), with ep's folding spelled out."""
-        ep = self.size("ep")
+        """The mesh as written (dp or fsdp counts every rank ep folds over), with ep's folding
+        spelled out."""
+        ep, over = self.size("ep"), self.ep_over
         parts = []
         for a, n in self.sizes:
-            if a == "dp" and ep > 1:
-                parts.append(f"dp={n * ep} [ep={ep} x expert-data {n}]")
+            if a == over and ep > 1:
+                parts.append(f"{over}={n * ep} [ep={ep} x expert-{'data' if over == 'dp' else 'fsdp'} {n}]")
             elif a == "ep":
-                if "dp" not in self.names:
-                    parts.append(f"dp={n} [ep={n}]")
+                if over not in self.names:
+                    parts.append(f"{over}={n} [ep={n}]")
             else:
                 parts.append(f"{a}={n}")
         axes = " x ".join(parts) or "single device"
@@ -136,24 +140,25 @@ def parse_mesh(text: str, order: tuple[str, ...] = DEFAULT_ORDER) -> MeshSpec:
             )
         for name, value in zip(order, parts):
             sizes[name] = _size(value, name, text)
-    return MeshSpec.of(**fold_ep(sizes, text))
+    folded, over = fold_ep(sizes, text)
+    return MeshSpec(MeshSpec.of(**folded).sizes, over)
 
 
-def fold_ep(sizes: dict[str, int], text: str) -> dict[str, int]:
-    """The written sizes with ep folded over dp: ``dp=4,ep=2`` -> physical dp=2 x ep=2."""
+def fold_ep(sizes: dict[str, int], text: str) -> tuple[dict[str, int], str]:
+    """The written sizes with ep folded over a data axis, and which: over fsdp where the mesh
+    has one (``fsdp=4,ep=2`` -> physical fsdp=2 x ep=2: dense parameters sharded 4 ways,
+    experts 2 ways, torchtitan's layout), else over dp (``dp=4,ep=2`` -> dp=2 x ep=2:
+    Megatron's expert-data parallelism)."""
     ep = sizes.pop("ep", 1)
+    over = "fsdp" if sizes.get("fsdp", 1) > 1 else "dp"
     if ep == 1:
-        return sizes
-    if sizes.get("fsdp", 1) > 1:
-        raise ConfigError(f"--mesh {text}: ep folds over the dp axis, and fsdp={sizes['fsdp']} is not folded yet; "
-                          f"shard the dense parameters over dp with --zero 1/2/3 (e.g. dp={sizes['fsdp']},ep={ep}) "
-                          f"instead of fsdp")
-    dp = sizes.get("dp", 1)
-    if dp % ep:
-        raise ConfigError(f"--mesh {text}: ep={ep} does not divide dp={dp}; ep is folded over the data ranks "
-                          f"(each expert group is ep of the dp ranks, adding no ranks of its own): choose ep "
-                          f"dividing dp, e.g. --mesh dp={ep * max(1, dp // ep)},ep={ep}")
-    return {**sizes, "dp": dp // ep, "ep": ep}
+        return sizes, "dp"
+    n = sizes.get(over, 1)
+    if n % ep:
+        raise ConfigError(f"--mesh {text}: ep={ep} does not divide {over}={n}; ep is folded over the {over} ranks "
+                          f"(each expert group is ep of them, adding no ranks of its own): choose ep dividing "
+                          f"{over}, e.g. --mesh {over}={ep * max(1, n // ep)},ep={ep}")
+    return {**sizes, over: n // ep, "ep": ep}, over
 
 
 def _size(value: str, name: str, text: str) -> int:

@@ -214,10 +214,17 @@ def _layout(path: str, spec: ParamSpec, rules: dict, zero: int, mesh: MeshSpec, 
     shape = tuple(padded_vocab if a == "vocab" and n == vocab else n for a, n in zip(spec.axes, spec.shape))
     tp_dim = zero_dim = ep_dim = None
     rule_data_axes: tuple[str, ...] = ()
+    # ep folded over fsdp: the fsdp ranks a dense parameter is sharded over are fsdp x ep
+    # (an expert's, fsdp alone: ep splits its experts instead)
+    ep_in_fsdp = mesh.ep_over == "fsdp" and mesh.size("ep") > 1 and "expert" not in spec.axes
     for dim, name in enumerate(spec.axes):
-        axes = [a for a in mesh_axes_of(rules.get(name)) if mesh.size(a) > 1]
-        for axis in axes:
-            if axis == "ep" or name == "expert":
+        written = mesh_axes_of(rules.get(name))
+        axes = [a for a in written if mesh.size(a) > 1]
+        for axis in axes + (["ep"] if ep_in_fsdp and "fsdp" in written else []):
+            if axis == "ep" and ep_in_fsdp:
+                zero_dim = dim
+                rule_data_axes += ("ep",)
+            elif axis == "ep" or name == "expert":
                 if (axis, name) != ("ep", "expert"):
                     raise ConfigError(f"parameter {path}: rule {name!r} -> {axis!r}; the ep axis splits the experts "
                                       f"of a MoE layer (logical axis 'expert') and nothing else: map 'expert' to "
