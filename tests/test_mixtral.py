@@ -197,6 +197,7 @@ EP_RUNS = {
     "ep2_zero3": (4, dict(mesh="dp=4,ep=2", rules="zero3"), ()),
     # ep folded over fsdp (torchtitan's): dense weights sharded over all 4 ranks, experts over 2
     "ep2_fsdp": (4, dict(mesh="fsdp=4,ep=2", rules="fsdp"), ()),
+    "ep4": (4, dict(mesh="dp=4,ep=4"), ()),  # one expert per rank, room for the whole sequence
     "ep4_capacity": (4, dict(mesh="dp=4,ep=4"), ("model.moe.capacity_factor=1.0",)),  # one expert per rank
     "ep2_tp2": (4, dict(mesh="dp=2,ep=2,tp=2", sequence_parallel=True), ()),  # experts split over ep and tp
     "ep2_pp2": (4, dict(mesh="dp=2,ep=2,pp=2"), ()),  # each stage's experts over its own ep group
