@@ -21,7 +21,8 @@ LAYERS = {
     "data": "data data.batches data.blend data.classification data.corpus data.gpt_dataset data.indexed data.mlm "
             "data.preprocess data.sources data.tokenizer data.vocab_files",
     "config": "config",
-    "sharding plan": "sharding sharding.plan sharding.strategy sharding.estimate sharding.visualize",
+    "sharding plan": "sharding sharding.plan sharding.strategy sharding.estimate sharding.traffic "
+                     "sharding.visualize",
     "distributed runtime": "sharding.groups sharding.ring_attention sharding.context sharding.activation_layouts "
                            "sharding.param_shards "
                            "sharding.grad_sync sharding.zero3 sharding.runtime sharding.distributed",

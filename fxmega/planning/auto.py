@@ -10,7 +10,8 @@ all-gather and ring attention: the ring holds less, the all-gather sends less.
 Each goes through the same planner and checks a real run goes through (``plan_from``,
 ``validate``, the schedule's micro-batch rules), so a candidate that does not divide is
 rejected with the planner's own message. The survivors are priced by
-``fxmega.sharding.estimate``: memory per rank against the budget, and step time
+``fxmega.sharding.estimate`` and ``fxmega.sharding.traffic``: memory per rank against the
+budget, and step time
 
     compute  = model FLOPs per rank x (4/3 with full recompute) / (peak x efficiency)
     tp       = tp bytes / bandwidth of the tp group (NVLink inside a node, else the network)

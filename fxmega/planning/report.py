@@ -21,6 +21,7 @@ from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
 from fxmega.sharding.pipeline import SPLIT_BACKWARD
 from fxmega.sharding.plan import ShardingPlan, format_bytes
 from fxmega.sharding.strategy import plan_from
+from fxmega.sharding.traffic import AxisTraffic, communication
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -45,7 +46,7 @@ class PlanEstimate:
     plan: ShardingPlan
     work: estimate.Workload
     memory: list[estimate.MemoryEstimate]
-    traffic: dict[str, estimate.AxisTraffic]
+    traffic: dict[str, AxisTraffic]
 
     @property
     def peak(self) -> int:
@@ -56,8 +57,7 @@ def estimate_plan(cfg: Any, plan: ShardingPlan) -> PlanEstimate:
 
     work = estimate.workload_of(cfg, plan.mesh.data_size)
     mem = estimate.memory(plan, cfg.model, work)
-    traffic = estimate.communication(plan, cfg.model, work, cfg.parallel.bucket_size)
-    return PlanEstimate(plan, work, mem, traffic)
+    return PlanEstimate(plan, work, mem, communication(plan, cfg.model, work, cfg.parallel.bucket_size))
 
 
 def rank_layout(mesh: MeshSpec, limit: int = 8) -> list[str]:

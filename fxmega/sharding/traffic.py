@@ -1,0 +1,307 @@
+"""What a step sends, per rank and mesh axis, from the plan alone (the companion of
+``fxmega.sharding.estimate``, whose block shapes it reads).
+
+Communication per step, bytes each rank sends (ring algorithms: all-reduce 2(W-1)/W of the
+buffer, all-gather and reduce-scatter (W-1)/W of the full buffer), per mesh axis:
+  tp    Megatron's f/g operators: per block two all-reduces forward and two backward of the
+        [tokens, embed] activations (sequence parallel: all-gathers and reduce-scatters of
+        the same total); full recompute repeats the forward's; the embedding, the head and
+        the vocab-parallel cross-entropy add a few more.
+  data  gradient all-reduce (ZeRO-0), reduce-scatter + parameter all-gather (ZeRO-1/2),
+        ZeRO-3's gathers of every piece in the forward and again in the backward, and
+        reduce-scatter of its gradients, per micro batch.
+  cp    attention's exchanges of keys and values (all-gather, ring or all-to-all) and the
+        gradients' sum over cp (``_cp_traffic``).
+  ep    the experts' all-to-alls of their fixed buffers, there and back, forward and
+        backward, per MoE block and micro batch (``_ep_traffic``).
+  pp    each stage boundary sends activations forward and gradients back per micro batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from fxmega.models import model_for
+from fxmega.sharding import collectives
+from fxmega.sharding.estimate import (
+    DTYPE_BYTES,
+    FP32,
+    BlockShape,
+    Workload,
+    block_shapes,
+    first_shape,
+    recompute_mode,
+    saved_count,
+    vocab_split,
+)
+from fxmega.sharding.mesh import DATA_AXES
+from fxmega.sharding.plan import ShardingPlan
+
+
+@dataclass
+class AxisTraffic:
+    bytes_sent: float = 0.0
+    collectives: int = 0
+    ops: dict[str, int] = field(default_factory=dict)
+    op_bytes: dict[str, float] = field(default_factory=dict)  # bytes_sent by op
+
+    def add(self, op: str, count: int, buffer_bytes: float, world: int, to_neighbour: bool = False) -> None:
+        """``count`` collectives of ``op`` on ``buffer_bytes`` over ``world`` ranks (an
+        all-to-all ``to_neighbour`` sends the whole buffer to one rank, as a ring step does)."""
+        if world <= 1 or count <= 0:
+            return
+        factor = 2 * (world - 1) / world if op == "all_reduce" else (world - 1) / world
+        if op in ("send", "recv") or to_neighbour:
+            factor = 1.0
+        self.bytes_sent += count * factor * buffer_bytes
+        self.collectives += count
+        self.ops[op] = self.ops.get(op, 0) + count
+        self.op_bytes[op] = self.op_bytes.get(op, 0.0) + count * factor * buffer_bytes
+
+
+def communication(plan: ShardingPlan, model_cfg: Any, work: Workload,
+                  bucket_numel: int = 40_000_000, pp_rank: int = 0) -> dict[str, AxisTraffic]:
+    """Bytes each rank of pp rank ``pp_rank`` sends per step, and collectives, per mesh axis."""
+    mesh, act = plan.mesh, work.act_bytes
+    traffic: dict[str, AxisTraffic] = {}
+    shapes = block_shapes(plan, model_cfg, work)
+    shape = first_shape(plan, model_cfg, work, shapes)
+    mine = [p for p in plan.params.values() if pp_rank in plan.pp_owners(p.path)]
+    blocks = sorted({int(p.path.split(".")[1]) for p in mine if p.path.startswith("blocks.")})
+    n = work.n_micro
+    tp = plan.tp
+    if tp > 1:
+        _tp_traffic(plan, work, shapes, blocks, pp_rank, traffic.setdefault("tp", AxisTraffic()))
+    if mesh.size("ep") > 1:
+        _ep_traffic(work, shapes, blocks, mesh.size("ep"), traffic.setdefault("ep", AxisTraffic()))
+    if work.cp > 1:
+        _cp_traffic(work, shape, blocks, mine, traffic.setdefault("cp", AxisTraffic()))
+    data_axes = tuple(a for a in DATA_AXES if mesh.size(a) > 1)
+    if data_axes:
+        _data_traffic(plan, mine, work, bucket_numel, traffic, model_groups(model_cfg),
+                      embed_backward_reads_params(model_cfg))
+    token_axes = data_axes + (("cp",) if work.cp > 1 else ())
+    if token_axes:  # the step's loss, summed over the data ranks and cp's chunks
+        traffic.setdefault("+".join(token_axes), AxisTraffic()).add("all_reduce", 1, FP32,
+                                                                     mesh.data_size * work.cp)
+    if mesh.world_size > 1:  # the global gradient norm (on the one axis's group when only one is split)
+        split = tuple(a for a in mesh.names if mesh.size(a) > 1)
+        world = "+".join(split) if split in (data_axes, token_axes) or len(split) == 1 else "world"
+        traffic.setdefault(world, AxisTraffic()).add("all_reduce", 1, FP32, mesh.world_size)
+    pipe = plan.pipeline
+    if pipe is not None:
+        pt = traffic.setdefault("pp", AxisTraffic())
+        boundary = work.tokens * shape.embed * act // shape.seq_split
+        stages = pipe.stages_of(pp_rank)
+        sends = sum(1 for s in stages if s.index < pipe.n_stages - 1) + sum(1 for s in stages if s.index > 0)
+        pt.add("send", sends * n, boundary, 2)
+        if any(len(plan.pp_owners(p.path)) > 1 for p in mine):  # the tied embedding's gradient
+            tied = sum(p.local_numel("opt") for p in mine if len(plan.pp_owners(p.path)) > 1)
+            pt.add("all_reduce", 1, tied * FP32, 2)
+    return traffic
+
+
+def _cp_traffic(work: Workload, shape: BlockShape, blocks: list[int], mine: list, out: AxisTraffic) -> None:
+    """Collectives over cp, per micro batch (counted in traced graphs of GPT on fake cp
+    meshes, tests/test_plan_scale.py). Attention, per block: all-gather reaches the other
+    chunks' keys and values and their positions in the forward (again in a recomputed
+    forward) and reduce-scatters the keys' and values' gradients; all-to-all (Ulysses)
+    exchanges q, k and v for head groups and the output back, forward and backward, and
+    gathers the positions; the ring passes k and v (and in the backward their gradients) to
+    the next rank, one chunk pair per step. Every parameter's gradient (a partial sum over
+    the rank's chunks) is all-reduced over cp, in fp32, once per micro batch."""
+    cp, n, act = work.cp, work.n_micro, work.act_bytes
+    kv_full = work.tokens * cp * shape.kv_heads * shape.head_dim * act
+    q_local = work.tokens * shape.heads * shape.head_dim * act
+    kv_local = work.tokens * shape.kv_heads * shape.head_dim * act
+    positions_full = work.tokens * cp * 8  # int64
+    forwards = len(blocks) + sum(1 for i in blocks if recompute_mode(work, i) == "full")
+    if work.cp_attention == "ring":
+        # each forward: cp - 1 steps passing k and v on; each backward: cp - 1 steps passing
+        # k, v and their fp32 gradients (one exchange per dtype), and one more bringing the
+        # gradients home
+        grads = 2 * work.tokens * shape.kv_heads * shape.head_dim * FP32
+        out.add("all_to_all", forwards * (cp - 1) * n, 2 * kv_local, cp, to_neighbour=True)
+        if act == FP32:
+            out.add("all_to_all", len(blocks) * (cp - 1) * n, 2 * kv_local + grads, cp, to_neighbour=True)
+        else:
+            out.add("all_to_all", len(blocks) * (cp - 1) * n, 2 * kv_local, cp, to_neighbour=True)
+            out.add("all_to_all", len(blocks) * (cp - 1) * n, grads, cp, to_neighbour=True)
+        out.add("all_to_all", len(blocks) * n, grads, cp, to_neighbour=True)
+    elif work.cp_attention == "allgather":
+        out.add("all_gather", forwards * n, positions_full, cp)
+        out.add("all_gather", 2 * forwards * n, kv_full, cp)
+        out.add("reduce_scatter", 2 * len(blocks) * n, kv_full, cp)
+    else:
+        out.add("all_gather", forwards * n, positions_full, cp)
+        per_block = 2 * q_local + 2 * kv_local  # q, the output, k, v of this rank's tokens
+        out.add("all_to_all", 4 * (forwards + len(blocks)) * n, per_block / 4, cp)
+    for p in mine:
+        out.add("all_reduce", n, p.local_numel("param") * FP32, cp)
+
+
+def _ep_traffic(work: Workload, shapes: dict[int, BlockShape], blocks: list[int], ep: int,
+                out: AxisTraffic) -> None:
+    """All-to-alls over ep, per MoE block and micro batch (``fxmega.ops.moe``): the expert
+    buffers [E, sequences x rows, d] go to their experts' ranks and the outputs come back,
+    forward and backward; a recomputed forward exchanges them again."""
+    for i in blocks:
+        b = shapes[i]
+        rows = saved_count(b, "moe.buffers")
+        if not rows:
+            continue
+        buffers = b.tokens * rows * b.embed * work.act_bytes
+        forwards = 2 if recompute_mode(work, i) == "none" else 3
+        out.add("all_to_all", 2 * forwards * work.n_micro, buffers, ep)
+
+
+def _tp_traffic(plan: ShardingPlan, work: Workload, shapes: dict[int, BlockShape], blocks: list[int], pp_rank: int,
+                out: AxisTraffic) -> None:
+    """Collectives over tp, as the compiled step holds them (counted in traced graphs of GPT
+    and Llama steps on fake meshes; tests/test_plan_scale.py compares them exactly without
+    recompute). Under full recompute the remat pass decides which forward collectives it
+    redoes; the counts here (one all-reduce per block, two gathers and scatters with
+    sequence parallelism) are close to, not equal to, what it does.
+
+    A MoE block's experts return partial sums over tp, so the gradients reaching the router
+    (the pairs' weights [tokens, k]) and the tokens are partial too: DTensor reduce-scatters
+    them over the tokens, runs the router's backward on each rank's share, all-reduces the
+    router weight's gradient and gathers the tokens' gradient back (counted in traced steps:
+    per MoE block two reduce-scatters and a gather in place of the MLP's input all-reduce,
+    plus the router's all-reduce; with sequence parallelism the tokens' scatter is the
+    block's own)."""
+    shape = shapes[min(shapes)]  # the widths tp traffic reads are alike in every block
+    tp, n, act = plan.tp, work.n_micro, work.act_bytes
+    act_bytes = work.tokens * shape.embed * act
+    full = [i for i in blocks if recompute_mode(work, i) == "full"]
+    has_head = plan.pipeline is None or any(s.head for s in plan.pipeline.stages_of(pp_rank))
+    has_embed = plan.pipeline is None or any(s.embed for s in plan.pipeline.stages_of(pp_rank))
+    moe = [shapes[i] for i in blocks if shapes[i].experts]
+    for b in moe:  # the router's partial gradients (docstring)
+        out.add("reduce_scatter", n, b.tokens * saved_count(b, "moe.topk_indices") * FP32, tp)
+        out.add("all_gather", n, act_bytes, tp)
+        out.add("all_reduce", n, b.embed * b.experts * FP32, tp)
+        if not plan.sequence_parallel:  # the tokens' gradient scattered (and gathered) instead of all-reduced
+            out.add("reduce_scatter", n, act_bytes, tp)
+    norms = [p for p in plan.params.values() if p.path.startswith("blocks.0.") and "norm" in p.path]
+    final_norms = [p for p in plan.params.values() if p.path.startswith("final_norm")]
+    if plan.sequence_parallel:
+        # per block: all-gather before and reduce-scatter after each sublayer, forward and
+        # backward (full recompute gathers and scatters the forward's again); the norms'
+        # weight gradients are partial sums over the sequence shards: one all-reduce each
+        redone = [i for i in blocks if recompute_mode(work, i) != "none"]  # recompute redoes the forward's gathers
+        out.add("all_gather", (4 * len(blocks) + 2 * len(redone)) * n, act_bytes, tp)
+        out.add("reduce_scatter", (4 * len(blocks) + 2 * len(full)) * n, act_bytes, tp)
+        out.add("all_reduce", len(norms) * len(blocks) * n, shape.embed * FP32, tp)
+        if has_embed:  # the embedding's partial sums scattered onto sequence shards, gathered back in
+            # the backward; learned positions: their gradient gathered from the sequence shards
+            positions = any("position" in p.axes for p in plan.params.values())
+            out.add("reduce_scatter", n, act_bytes, tp)
+            out.add("all_gather", n * (2 if positions else 1), act_bytes, tp)
+        if has_head:  # gathered for the output projection, its gradient scattered back
+            out.add("all_gather", n, act_bytes, tp)
+            out.add("reduce_scatter", n, act_bytes, tp)
+            out.add("all_reduce", len(final_norms) * n, shape.embed * FP32, tp)
+    else:
+        # Megatron's f/g: two all-reduces per block forward and two backward; full recompute
+        # repeats one of them (the attention's output is kept, see fxmega.ops.recompute)
+        out.add("all_reduce", (4 * len(blocks) - len(moe) + len(full) + (1 if full else 0)) * n, act_bytes, tp)
+        if has_embed and vocab_split(plan):
+            out.add("all_reduce", n, act_bytes, tp)  # the vocab-parallel embedding's partial sums
+        if has_head:
+            out.add("all_reduce", n, act_bytes, tp)  # the head's input gradient
+    if has_head:
+        # vocab-parallel cross-entropy: max, sum of exp, target logit; then the loss's partial sum
+        out.add("all_reduce", 3 * n, work.tokens * FP32, tp)
+        out.add("all_reduce", n, FP32, tp)
+
+
+def model_groups(model_cfg: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The model's embedding and head parameter groups (ZeRO-3 gathers each as one piece)."""
+    model = model_for(model_cfg)
+    return tuple(getattr(model, "EMBED_PARAMS", ())), tuple(getattr(model, "HEAD_PARAMS", ()))
+
+
+def embed_backward_reads_params(model_cfg: Any) -> bool:
+    """Whether the family's embedding needs its parameters in the backward (BERT's ends with
+    a LayerNorm; a plain lookup plus positions does not), so ZeRO-3 gathers it again there."""
+    return bool(getattr(model_for(model_cfg), "EMBED_BACKWARD_READS_PARAMS", False))
+
+
+def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: int,
+                  traffic: dict[str, AxisTraffic], groups: tuple[tuple[str, ...], tuple[str, ...]],
+                  embed_regathered: bool) -> None:
+    """The data axes' collectives, as ``Parallel`` schedules them: each op over the axes it
+    spans (HSDP: gathers over fsdp, replica all-reduce over dp), bucketed the same way."""
+    mesh, n = plan.mesh, work.n_micro
+    reduce = FP32 if work.grad_reduce == "fp32" else 2
+
+    def extra(p: Any, kind: str, base: str) -> tuple[str, ...]:
+        return tuple(a for a in p.data_axes[kind] if a not in p.data_axes[base])
+
+    def add(op: str, axes: tuple[str, ...], count: int, buffer_bytes: float) -> None:
+        world = math.prod(mesh.size(a) for a in axes)
+        traffic.setdefault("+".join(axes), AxisTraffic()).add(op, count, buffer_bytes, world)
+
+    def scheduled(op: str, axes_of: Any, numel_of: Any, count: int, itemsize: int) -> None:
+        groups: dict[tuple[str, ...], list] = {}
+        for p in mine:
+            if axes_of(p):
+                groups.setdefault(axes_of(p), []).append(p)
+        for axes, ps in sorted(groups.items()):
+            for bucket in collectives.buckets([p.local_numel("grad") for p in ps], bucket_numel):
+                add(op, axes, count, sum(numel_of(ps[i]) for i in bucket) * itemsize)
+
+    by_axes: dict[tuple[str, ...], list] = {}
+    for p in mine:
+        if p.data_axes["param"]:
+            by_axes.setdefault(p.data_axes["param"], []).append(p)
+    # ZeRO-3 / FSDP: per micro batch and piece, gathered, gathered again in the backward, over
+    # the axes that shard them (one collective per piece and group: with ep, a block's experts
+    # over their own data ranks); gradients reduce-scattered. The embedding's backward reads
+    # no parameters unless the family says so (a lookup needs only the ids)
+    copy = DTYPE_BYTES[work.precision]
+    for axes, gathered in sorted(by_axes.items()):
+        for kind, numel in _pieces(gathered, groups):
+            again = embed_regathered if kind == "embed" else True
+            add("all_gather", axes, n * (2 if again else 1), numel * copy)
+            add("reduce_scatter", axes, n, numel * reduce)
+    # ZeRO-2: the gradient's extra data axes, reduce-scattered per micro batch
+    scheduled("reduce_scatter", lambda p: extra(p, "grad", "param"), lambda p: p.local_numel("param"), n, reduce)
+    # ZeRO-1: onto the optimizer's shards, once per step
+    scheduled("reduce_scatter", lambda p: extra(p, "opt", "grad"), lambda p: p.local_numel("grad"), 1, reduce)
+    # replicas (plain data parallelism, HSDP's dp): all-reduced once per step
+    scheduled("all_reduce", lambda p: p.replica_axes(tuple(a for a in DATA_AXES if mesh.size(a) > 1)),
+              lambda p: p.local_numel("opt"), 1, reduce)
+    # ZeRO-1/2: the updated shards gathered back into every replica
+    scheduled("all_gather", lambda p: extra(p, "opt", "param"), lambda p: p.local_numel("param"), 1, FP32)
+
+
+def _full(p: Any) -> int:
+    """Elements of a parameter on this rank once gathered over the data axes."""
+    return p.local_numel("param") * p.data_split("param")
+
+
+def _pieces(params: list, groups: tuple[tuple[str, ...], tuple[str, ...]]) -> list[tuple[str, int]]:
+    """``(kind, gathered elements)`` per model piece, in order: the embedding group, each
+    block, the head group (a tied embedding is gathered again with the head): ZeRO-3's
+    buckets."""
+    full = _full
+
+    embed_groups, head_groups = groups
+    blocks: dict[str, int] = {}
+    for p in params:
+        if p.path.startswith("blocks."):
+            key = ".".join(p.path.split(".")[:2])
+            blocks[key] = blocks.get(key, 0) + full(p)
+    embed = sum(full(p) for p in params if p.path.split(".")[0] in embed_groups)
+    head = sum(full(p) for p in params if p.path.split(".")[0] in head_groups)
+    if not embed_groups and not head_groups:  # a model without the groups: its top-level names
+        rest: dict[str, int] = {}
+        for p in params:
+            if not p.path.startswith("blocks."):
+                rest[p.path.split(".")[0]] = rest.get(p.path.split(".")[0], 0) + full(p)
+        return [("other", n) for n in rest.values()] + [("block", n) for n in blocks.values()]
+    return [(k, n) for k, n in (("embed", embed), *(("block", b) for b in blocks.values()), ("head", head)) if n]
