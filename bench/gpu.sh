@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks behind the GPU numbers in docs/benchmarks.md, in one script (a lent GPU has minutes,
-# not hours): compiled vs eager on CUDA, the default run, and the step benchmark.
+# not hours): compiled vs eager on CUDA, no host sync between log steps, the default run, the step
+# benchmark (bf16 MFU, CUDA graphs, the nanoGPT shape) and memory.
 # Usage: bash bench/gpu.sh OUT_DIR   (runs from the repository root, no install needed)
 set -uo pipefail
 out=${1:-/tmp/fxmega-gpu}
@@ -27,6 +28,27 @@ for name in ("configs/tiny_gpt.py", "configs/tiny_llama.py"):
     diff = max(abs(a - b) / abs(b) for a, b in zip(losses[True], losses[False]))
     print(name, "eager", [round(x, 5) for x in losses[False][::3]], "compiled", [round(x, 5) for x in losses[True][::3]],
           "max rel diff", f"{diff:.2e}", "graphs", counters["stats"]["unique_graphs"])
+PY
+echo "== no host sync between log steps (torch.cuda.set_sync_debug_mode('error') over launched steps, prefetch on)"
+python3 - <<'PY' 2>&1 | tee "$out/host_sync.txt"
+import torch
+from fxmega.config import load, override
+from fxmega.training.run import Run
+for name, extra in (("configs/tiny_gpt.py", []), ("configs/tiny_llama.py", ["compute.precision=fp16"])):
+    run = Run(override(load(name), ["train.device=cuda", "train.steps=12", *extra]))
+    run.do_step(); run.do_step()  # compiled, warm
+    run.prefetch(2)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        pending = [run.launch_step() for _ in range(8)]
+        verdict = "no host sync in 8 launched steps"
+    except RuntimeError as e:
+        verdict = f"SYNC: {e}"
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out = run.settle(pending) if verdict.startswith("no") else []
+    run.stop_prefetch()
+    print(name, extra, verdict, "losses", [round(o["loss"], 4) for o in out][::3])
 PY
 echo "== default run on CUDA (shakespeare_gpt, 800 steps)"
 python3 run.py --config configs/shakespeare_gpt.py --device cuda --no-progress --set train.save_dir= \
@@ -62,5 +84,12 @@ python3 bench/step.py --device cuda --precision bf16 --d-model 768 --layers 12 -
   --batch 16 --rounds 4 2>&1 | tail -6 | tee "$out/bench_124m_bf16.txt"
 python3 bench/step.py --device cuda --precision bf16 --kernels triton --loss-chunk 4096 --d-model 768 --layers 12 \
   --heads 12 --vocab 50304 --seq 1024 --batch 16 --rounds 4 2>&1 | tail -6 | tee "$out/bench_124m_bf16_triton.txt"
+echo "== CUDA graphs (train.cuda_graphs): the launch-bound small GPT and GPT-2 124M bf16"
+python3 bench/step.py --device cuda --tf32 --cuda-graphs --d-model 256 --layers 4 --heads 8 --vocab 4096 --seq 256 \
+  --batch 16 2>&1 | tail -6 | tee "$out/bench_small_cudagraphs.txt"
+python3 bench/step.py --device cuda --precision bf16 --cuda-graphs --preset gpt2 --batch 16 --rounds 4 2>&1 | tail -6 \
+  | tee "$out/bench_124m_bf16_cudagraphs.txt"
+echo "== the nanoGPT-shaped model of the CPU table, on the GPU"
+python3 bench/step.py --device cuda --tf32 --preset nanogpt 2>&1 | tail -6 | tee "$out/bench_nanogpt.txt"
 echo "== memory by precision and recompute (CUDA allocator peaks)"
 python3 bench/memory.py --d-model 768 --layers 12 --seq 1024 --batch 8 2>&1 | tail -12 | tee "$out/memory.txt"

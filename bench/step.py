@@ -8,7 +8,12 @@ Three ways to train the same GPT on the same synthetic batches:
 Prints tokens/s and MFU for each and fxmega's ratio to the others. ``--precision bf16``
 runs fxmega with bf16 compute (fp32 masters) and plain PyTorch under bf16 autocast.
 
-    python bench/step.py [--d-model 256 --layers 4 --seq 128 --batch 8 --steps 20 --precision bf16]
+The plain model is nanoGPT's structure (fused QKV ``Linear``, SDPA, tied head; AdamW fused
+where torch has it, else foreach). ``--preset nanogpt`` is nanoGPT's small Shakespeare-char
+model scaled to GPT-2's vocabulary (6 layers x 384, 6 heads, sequence 256, batch 8,
+vocabulary 50304); ``--preset gpt2`` is GPT-2 124M at sequence 1024 (for a GPU).
+
+    python bench/step.py [--preset nanogpt] [--d-model 256 --layers 4 --seq 128 --batch 8 --precision bf16]
 """
 
 from __future__ import annotations
@@ -51,8 +56,24 @@ def interleaved(step_fns: dict, steps: int, warmup: int, rounds: int, sync) -> d
     return times
 
 
+PRESETS = {  # shapes named in the README's table
+    "nanogpt": {"d_model": 384, "layers": 6, "heads": 6, "vocab": 50304, "seq": 256, "batch": 8},
+    "gpt2": {"d_model": 768, "layers": 12, "heads": 12, "vocab": 50304, "seq": 1024, "batch": 8},
+}
+
+
+def fused_or_foreach(device: torch.device) -> dict[str, bool]:
+    """nanoGPT's choice: the fused AdamW kernel where this torch has one for the device."""
+    try:
+        torch.optim.AdamW([torch.zeros(1, device=device, requires_grad=True)], fused=True)
+        return {"fused": True}
+    except RuntimeError:
+        return {"foreach": True}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="a named shape (overrides the shape options)")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
@@ -67,7 +88,10 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--kernels", default="reference", choices=["reference", "triton"])
     ap.add_argument("--loss-chunk", type=int, default=0)
+    ap.add_argument("--cuda-graphs", action="store_true", help="fxmega's step as CUDA graphs (train.cuda_graphs)")
     args = ap.parse_args()
+    if args.preset:
+        vars(args).update(PRESETS[args.preset])
     if args.tf32:
         torch.set_float32_matmul_precision("high")
     device = torch.device(args.device)
@@ -78,7 +102,7 @@ def main() -> None:
         model=gpt.Config(vocab_size=args.vocab, max_seq_len=args.seq, d_model=args.d_model,
                          n_layers=args.layers, n_heads=args.heads),
         train=TrainConfig(steps=10**6, micro_batch_size=args.batch, global_batch_size=args.batch,
-                          seq_len=args.seq, device=args.device),
+                          seq_len=args.seq, device=args.device, cuda_graphs=args.cuda_graphs),
         optim=OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", clip_grad=0.0),
         data=DataConfig(source="mock"),
         compute=ComputeConfig(precision=args.precision, kernels=args.kernels, loss_chunk=args.loss_chunk),
@@ -87,10 +111,11 @@ def main() -> None:
     autocast_dtype = compute_dtype(args.precision)
     batches = [run.train_data.global_batch(i, args.batch) for i in range(4)]
     step_fns = {"fxmega compiled step": lambda i: run.do_step()}
+    adamw_kind = fused_or_foreach(device)
     for name, compile_model in (("plain nn.Module eager", False), ("plain nn.Module compiled", True)):
         torch.manual_seed(0)
         model = PlainGPT(args.vocab, args.seq, args.d_model, args.layers, args.heads).to(device)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **adamw_kind)
         fwd = torch.compile(model) if compile_model else model
 
         def plain_step(i: int, fwd=fwd, opt=opt) -> None:
@@ -110,6 +135,7 @@ def main() -> None:
     peak = device_peak(device, autocast_dtype)
     print(f"\nGPT d_model={args.d_model} layers={args.layers} heads={args.heads} vocab={args.vocab} "
           f"seq={args.seq} batch={args.batch}, {args.precision}, kernels {args.kernels}, {device}, "
+          f"plain AdamW {'fused' if 'fused' in adamw_kind else 'foreach'}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; MFU against "
           f"{peak.flops / 1e12:.1f} TFLOP/s ({peak.source})")
     print(f"{'method':<28}{'median step ms':>16}{'tokens/s':>12}{'MFU':>8}{'fxmega is':>12}")

@@ -47,6 +47,7 @@ class TrainConfig:
     seed: int = 1234
     compile: bool = True  # one torch.compile'd step; False runs the same step eagerly
     compile_backend: str = "inductor"  # inductor (fused kernels) | aot_eager (same graphs, no codegen: debugging)
+    cuda_graphs: bool = False  # replay the compiled step as CUDA graphs (inductor's cudagraph trees); one CUDA device
     device: str = "auto"  # auto (cuda if present, else cpu) | cpu | cuda
     eval_interval: int = 200  # steps between validation passes; 0 evaluates only at the end
     eval_iters: int = 20  # validation batches per pass
@@ -67,6 +68,7 @@ class TrainConfig:
     diagnostics_dir: str = "runs/diagnostics"  # where a stop writes what went wrong
     spike_z: float = 6.0  # warn when a loss is this many std above the last 50 steps' mean; 0: off
     async_save: bool = False  # write checkpoints in a background thread while training continues
+    prefetch: int = 2  # global batches the loop builds ahead in a background thread; 0 builds each when due
     sample_tokens: int = 0  # tokens to generate after training
     sample_prompt: str = "\n"
     peak_flops: float = 0.0  # device peak FLOP/s for MFU; 0 looks it up or measures it
@@ -308,7 +310,7 @@ def _validate(cfg: RunConfig, dp: int | None) -> None:
     t, o, d = cfg.train, cfg.optim, cfg.data
     for name in ("steps", "micro_batch_size", "global_batch_size", "seq_len", "eval_iters", "log_interval"):
         _require(getattr(t, name) > 0, f"train.{name}={getattr(t, name)} must be positive")
-    for name in ("eval_interval", "save_interval", "sample_tokens", "keep_last"):
+    for name in ("eval_interval", "save_interval", "sample_tokens", "keep_last", "prefetch"):
         _require(getattr(t, name) >= 0, f"train.{name}={getattr(t, name)} must be zero or positive")
     _require(t.seq_len <= cfg.model.max_seq_len,
              f"train.seq_len={t.seq_len} is longer than model.max_seq_len={cfg.model.max_seq_len}: "

@@ -127,6 +127,17 @@ def test_nonfinite_step_stops_with_diagnostics(monkeypatch, tmp_path, capsys):
     assert report["step"] == 2 and report["rank"] == 0 and "embed.tokens" in report["nonfinite_gradients"]
 
 
+def test_nonfinite_stop_between_log_steps_names_the_step(monkeypatch, tmp_path, capsys):
+    # the loop reads the device only at log steps: step 3 goes bad, the read at step 4 stops the run, naming step 3
+    monkeypatch.setenv("FXMEGA_TEST_NAN_AT_STEP", "3")
+    log = tmp_path / "log.jsonl"
+    code = main([*ARGS, "--log-interval", "4", "--log-jsonl", str(log), "--set", f"train.diagnostics_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "step 3: non-finite loss or gradient" in err, err
+    assert json.loads((tmp_path / "nonfinite_step00000003_rank0.json").read_text())["step"] == 3
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1]  # nothing reported past it
+
+
 def test_bad_gradient_is_named_and_a_dropped_update_changes_nothing():
     import torch
 

@@ -38,52 +38,73 @@ class LossScaler:
     overflow, never below ``min_scale``; after ``window`` clean steps in a row, double it.
     With ``fixed`` > 0 the scale never changes (Megatron's ``--loss-scale``).
 
-    An overflowed step is not applied (the compiled step drops it); the caller reports it."""
+    The state lives on ``device`` and ``update`` decides from the step's finite flag there,
+    so the next step's scale is known without reading anything back to the host (no sync
+    per step). ``scale``, ``clean_steps``, ``hysteresis_left`` and ``overflows`` read it
+    (a sync: for logs, checkpoints and tests). An overflowed step is not applied (the
+    compiled step drops it); the caller reports it."""
 
     initial: float = 2.0**32
     min_scale: float = 1.0
     window: int = 1000
     hysteresis: int = 2
     fixed: float = 0.0
+    device: torch.device | str = "cpu"
 
     def __post_init__(self) -> None:
-        self.scale = self.fixed or self.initial
-        self.clean_steps = 0
-        self.hysteresis_left = self.hysteresis
-        self.overflows = 0
+        self.load_state_dict({"scale": self.fixed or self.initial, "clean_steps": 0,
+                              "hysteresis_left": self.hysteresis, "overflows": 0})
 
-    def update(self, finite: bool) -> None:
-        """Account one step: ``finite`` is whether all its gradients were finite."""
+    def update(self, finite: torch.Tensor | bool) -> None:
+        """Account one step: ``finite`` (a bool tensor on the device, or a bool) is whether
+        all its gradients were finite. New tensors, not in-place writes: a scale handed to a
+        step stays what that step ran with."""
+        overflow = ~torch.as_tensor(finite, device=self.device)
+        self.overflow_count = self.overflow_count + overflow.long()
         if self.fixed:
-            self.overflows += not finite
             return
-        if not finite:
-            self.overflows += 1
-            self.clean_steps = 0
-            self.hysteresis_left -= 1
-            if self.hysteresis_left <= 0:
-                self.scale = max(self.scale / 2, self.min_scale)
-            return
-        self.clean_steps += 1
-        if self.clean_steps == self.window:
-            self.clean_steps = 0
-            self.hysteresis_left = self.hysteresis
-            self.scale *= 2
+        hysteresis_left = self.hysteresis_tensor - overflow.long()
+        clean = torch.where(overflow, 0, self.clean_tensor + 1)
+        halved = torch.clamp(self.scale_tensor / 2, min=self.min_scale)
+        scale = torch.where(overflow & (hysteresis_left <= 0), halved, self.scale_tensor)
+        grow = clean == self.window  # never on an overflow: clean is 0 there
+        self.scale_tensor = torch.where(grow, scale * 2, scale)
+        self.clean_tensor = torch.where(grow, 0, clean)
+        self.hysteresis_tensor = torch.where(grow, self.hysteresis, hysteresis_left)
+
+    @property
+    def scale(self) -> float:
+        return float(self.scale_tensor)
+
+    @property
+    def clean_steps(self) -> int:
+        return int(self.clean_tensor)
+
+    @property
+    def hysteresis_left(self) -> int:
+        return int(self.hysteresis_tensor)
+
+    @property
+    def overflows(self) -> int:
+        return int(self.overflow_count)
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "clean_steps": self.clean_steps, "hysteresis_left": self.hysteresis_left,
                 "overflows": self.overflows}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self.clean_steps = int(state["clean_steps"])
-        self.hysteresis_left = int(state["hysteresis_left"])
-        self.overflows = int(state.get("overflows", 0))
+        def on_device(value: float, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(value, dtype=dtype, device=self.device)
+        self.scale_tensor = on_device(float(state["scale"]), torch.float32)  # powers of 2: exact in fp32
+        self.clean_tensor = on_device(int(state["clean_steps"]), torch.int64)
+        self.hysteresis_tensor = on_device(int(state["hysteresis_left"]), torch.int64)
+        self.overflow_count = on_device(int(state.get("overflows", 0)), torch.int64)
 
 
-def scaler_for(compute: object) -> LossScaler | None:
-    """The loss scaler a ``ComputeConfig`` asks for: fp16 only (bf16 has fp32's range)."""
+def scaler_for(compute: object, device: torch.device | str = "cpu") -> LossScaler | None:
+    """The loss scaler a ``ComputeConfig`` asks for, on ``device``: fp16 only (bf16 has
+    fp32's range)."""
     if compute.precision != "fp16":
         return None
     return LossScaler(compute.initial_loss_scale, compute.min_loss_scale, compute.loss_scale_window,
-                      compute.hysteresis, compute.loss_scale)
+                      compute.hysteresis, compute.loss_scale, device)

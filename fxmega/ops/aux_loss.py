@@ -29,7 +29,7 @@ recomputed region.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import torch
@@ -91,11 +91,12 @@ def measure(x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
     return _GradientInto.apply(x, shard(meter, None), stats.to(meter.dtype))
 
 
-def router_report(stats: torch.Tensor) -> dict[str, float]:
-    """The step's summed ``stats`` as the numbers a log shows: the balancing loss and z-loss
-    per sequence and layer (before their coefficients), the largest and smallest expert load
-    over the mean (per layer and micro batch, averaged), the fraction of pairs dropped."""
-    v = dict(zip(ROUTER_STATS, stats.detach().double().cpu().tolist()))
+def router_report(stats: Sequence[float]) -> dict[str, float]:
+    """The step's summed ``stats`` (read from the device, one per ``ROUTER_STATS`` name) as
+    the numbers a log shows: the balancing loss and z-loss per sequence and layer (before
+    their coefficients), the largest and smallest expert load over the mean (per layer and
+    micro batch, averaged), the fraction of pairs dropped."""
+    v = dict(zip(ROUTER_STATS, stats))
     if not v["loads"]:
         return {}
     return {"moe_balancing_loss": v["balancing"] / v["sequences"], "moe_z_loss": v["z_loss"] / v["sequences"],

@@ -29,12 +29,24 @@ from fxmega.training.step import EvalStep, LossSumFn
 Batch = dict[str, torch.Tensor]
 
 
+def my_host_micro_batches(batch: Batch, micro: int, parallel: Parallel | None) -> list[Batch]:
+    """What this rank reads of a global batch, still on the host: its data rank's micro
+    batches (under cp its chunks of them)."""
+    if parallel is None:
+        return micro_batches(batch, micro)
+    return [parallel.local_batch(b) for b in micro_batches(batch, micro, parallel.groups.data_rank,
+                                                           parallel.groups.data_size)]
+
+
+def to_device(micros: list[Batch], device: torch.device) -> list[Batch]:
+    """Host micro batches on ``device``; asynchronous copies (from pinned memory on CUDA, as
+    the prefetcher leaves them), so the host does not wait for the device."""
+    return [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in micros]
+
+
 def my_micro_batches(batch: Batch, micro: int, parallel: Parallel | None, device: torch.device) -> list[Batch]:
     """This data rank's micro batches of a global batch, on ``device``."""
-    parts = micro_batches(batch, micro) if parallel is None else \
-        [parallel.local_batch(b) for b in micro_batches(batch, micro, parallel.groups.data_rank,
-                                                           parallel.groups.data_size)]
-    return [{k: v.to(device, non_blocking=True) for k, v in b.items()} for b in parts]
+    return to_device(my_host_micro_batches(batch, micro, parallel), device)
 
 
 def one_device_loss_sum(specs: dict, model_cfg: Any, compute: Any, model: ModelFamily | None = None,

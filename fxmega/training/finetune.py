@@ -208,18 +208,23 @@ def finetune(cfg: RunConfig, data_path: str | Path, valid_path: str | Path | Non
     losses: list[float] = []
     grad_norms: list[float] = []
     history: dict[int, tuple[float, float]] = {}
+    pending = []  # steps launched since the last report: read from the device together, as pre-training does
     while run.step < t.steps:
         step = run.step + 1
         log_line = step % t.log_interval == 0 or step == t.steps
+        evaluate = (t.eval_interval and step % t.eval_interval == 0) or step == t.steps
         train_acc = job.batch_accuracy() if log_line else 0.0  # an extra forward, on log steps only
-        out = run.do_step()
-        losses.append(out["loss"])
-        grad_norms.append(out["grad_norm"])
+        pending.append(run.launch_step())
+        if not (log_line or evaluate):
+            continue
+        outcomes, pending = run.settle(pending), []
+        losses += [out["loss"] for out in outcomes]
+        grad_norms += [out["grad_norm"] for out in outcomes]
         if log_line:
-            recent = losses[-t.log_interval:]
+            out, recent = outcomes[-1], losses[-t.log_interval:]
             say(f"step {step:>6} | loss {sum(recent) / len(recent):.4f} | batch accuracy {train_acc:.3f} | "
                 f"lr {out['lr']:.3e} | grad norm {out['grad_norm']:.3f}")
-        if (t.eval_interval and step % t.eval_interval == 0) or step == t.steps:
+        if evaluate:
             history[step] = job.validate()
             say(f"step {step}: validation loss {history[step][0]:.4f} | accuracy {history[step][1]:.3f} "
                 f"({len(job.splits.valid)} examples)")

@@ -218,12 +218,13 @@ class PipelineStep:
 
     def __call__(self, params: tree.Tree, opt_state: dict, micro_batches: list[dict[str, torch.Tensor]],
                  lr: float, n_tokens: torch.Tensor | None = None,
-                 loss_scale: float | None = None) -> tuple[tree.Tree, dict, dict[str, torch.Tensor]]:
+                 loss_scale: torch.Tensor | float | None = None) -> tuple[tree.Tree, dict, dict[str, torch.Tensor]]:
         if n_tokens is None:
             n_tokens = global_count(micro_batches)
-        scale = 1.0 if loss_scale is None else loss_scale
-        self._inv_tokens = (scale / n_tokens).to(self.device)  # fp16: the backward runs on the scaled loss
-        unscale = None if loss_scale is None else torch.tensor(1.0 / loss_scale, device=self.device)
+        scale = 1.0 if loss_scale is None else torch.as_tensor(loss_scale, dtype=torch.float32, device=self.device)
+        # fp16: the backward runs on the scaled loss
+        self._inv_tokens = scale * (1.0 / n_tokens).to(self.device, non_blocking=True)
+        unscale = None if loss_scale is None else 1.0 / scale
         for p in self.flat:
             p.grad = None
         meter = torch.zeros(self.meter_size, device=self.device, requires_grad=True) if self.meter_size else None
@@ -232,7 +233,7 @@ class PipelineStep:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.flat]
         for p in self.flat:
             p.grad = None  # the update owns them now
-        lr_t = torch.tensor(lr, dtype=torch.float32, device=self.device)
+        lr_t = torch.full((), lr, dtype=torch.float32, device=self.device)  # a fill: no host-to-device copy
         grad_norm, finite, bad = self._update(self.flat, grads, opt_state, lr_t, self._norm_weights, unscale)
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "nonfinite_grads": bad}
         if meter is not None:  # each stage's layers, every micro batch; summed over stages and data ranks

@@ -17,6 +17,7 @@ from fxmega.core import precision, tree
 from fxmega.core.device import pick_device, set_deterministic
 from fxmega.core.errors import ConfigError
 from fxmega.core.log import get_logger
+from fxmega.data.prefetch import Prefetcher
 from fxmega.data.sources import Data, build_data
 from fxmega.inference.generate import sample_text
 from fxmega.inference.generate_parallel import generate_on_mesh
@@ -28,9 +29,9 @@ from fxmega.ops.objectives import global_count
 from fxmega.sharding.runtime import Parallel
 from fxmega.storage import checkpoint, run_state
 from fxmega.training import faults
-from fxmega.training.evaluate import mean_loss, micro_sums, my_micro_batches, one_device_loss_sum
+from fxmega.training.evaluate import mean_loss, micro_sums, my_host_micro_batches, one_device_loss_sum, to_device
 from fxmega.training.optim import AdamWHyper, adamw_init, decay_mask
-from fxmega.training.outcome import settle
+from fxmega.training.outcome import Pending, settle
 from fxmega.training.pipeline_step import PipelineStep
 from fxmega.training.schedules import lr_at
 from fxmega.training.state import TrainState
@@ -42,8 +43,19 @@ log = get_logger(__name__)
 def check_compute(cfg: RunConfig, parallel: Parallel | None, device: torch.device, model: ModelFamily) -> None:
     """Refuse, before anything is built, the ``compute`` options this model and mesh cannot
     honour (no silent fallback)."""
-    c = cfg.compute
+    c, t = cfg.compute, cfg.train
     kernels.check_available(c.kernels, device)
+    if t.cuda_graphs:
+        if device.type != "cuda":
+            raise ConfigError(f"train.cuda_graphs=true replays the step's GPU kernels from a captured CUDA graph; this "
+                              f"run is on {device.type}: set train.cuda_graphs=false")
+        if not (t.compile and t.compile_backend == "inductor"):
+            raise ConfigError("train.cuda_graphs=true captures inductor's compiled step: set train.compile=true and "
+                              "train.compile_backend=inductor, or train.cuda_graphs=false")
+        if parallel is not None:
+            raise ConfigError(f"train.cuda_graphs=true is measured on one device only; this run is on a mesh of "
+                              f"{parallel.groups.mesh.world_size} ranks (collectives inside captured graphs are not "
+                              f"tested here): set train.cuda_graphs=false")
     if c.loss_chunk and not (hasattr(model, "final_hidden") and hasattr(model, "output_weight")):
         raise ConfigError(f"compute.loss_chunk={c.loss_chunk}: the {family_name(cfg.model)} head is not a final norm "
                           f"and one output projection (final_hidden, output_weight), which the chunked loss "
@@ -112,10 +124,15 @@ class Run:
             loss_sum = parallel.loss_sum_fn(loss_by_pieces(cfg.model, parallel.compute, self.model))
         if self.pipelined:  # PipelineStage registers the stage's parameters as nn.Parameters (same storage)
             params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), params)
-        self.state = TrainState(params, opt_state, scaler=precision.scaler_for(cfg.compute))
+        self.state = TrainState(params, opt_state, scaler=precision.scaler_for(cfg.compute, self.device))
         self._checkpointer: checkpoint.Checkpointer | None = None
+        self._prefetcher: Prefetcher | None = None  # ``prefetch``: the next steps' input, built ahead
         zero3_regather = parallel is not None and parallel.gathers_params and parallel.regather
         options = recompute.inductor_options(cfg.compute.recompute != "none" or zero3_regather)
+        if t.cuda_graphs:  # the state lives at fixed addresses, so the captured graphs update it in place
+            options = {**(options or {}), "triton.cudagraphs": True}
+            for tensor in [*tree.leaves(params), opt_state["step"], *opt_state["exp_avg"], *opt_state["exp_avg_sq"]]:
+                torch._dynamo.mark_static_address(tensor)
         # a mixture of experts reports its routers' statistics through the step (aux_loss.measure)
         meter_size = len(aux_loss.ROUTER_STATS) if getattr(self.model, "ROUTER_METER", False) else 0
         if self.pipelined:
@@ -141,24 +158,57 @@ class Run:
     params, opt_state, step = _StateField(), _StateField(), _StateField()
     skipped_steps, scaler = _StateField(), _StateField()
 
-    def _my_micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        return my_micro_batches(batch, self.cfg.train.micro_batch_size, self.parallel, self.device)
-
-    def do_step(self) -> dict[str, float]:
-        """One optimizer step on the next global batch; returns loss, lr and grad norm."""
+    def host_batch(self, step: int) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+        """Step ``step``'s input on the host: this rank's micro batches (pinned on CUDA, for
+        asynchronous copies) and the loss-token count of the whole global batch."""
         t = self.cfg.train
-        batch = self.train_data.global_batch(self.step, t.global_batch_size)
-        n_tokens = global_count([batch])  # of the whole global batch, whatever this rank's share
+        batch = self.train_data.global_batch(step, t.global_batch_size)
+        micros = my_host_micro_batches(batch, t.micro_batch_size, self.parallel)
+        if self.device.type == "cuda":
+            micros = [{k: v.pin_memory() for k, v in b.items()} for b in micros]
+        return micros, global_count([batch])  # the count: of the whole global batch, whatever this rank's share
+
+    def prefetch(self, depth: int) -> None:
+        """Build the next ``depth`` steps' input in a background thread from now on
+        (``stop_prefetch`` ends it); the batches are the same as without."""
+        self.stop_prefetch()
+        self._prefetcher = Prefetcher(self.host_batch, self.step, self.cfg.train.steps, depth)
+
+    def stop_prefetch(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+
+    def launch_step(self) -> Pending:
+        """One optimizer step on the next global batch, launched without waiting for it:
+        nothing is read back from the device (the fp16 scaler decides the next scale there).
+        ``settle`` reads its outcome."""
+        t = self.cfg.train
+        micros, n_tokens = self._prefetcher.get(self.step) if self._prefetcher is not None else \
+            self.host_batch(self.step)
         n_tokens = faults.maybe_poison(self.step + 1, n_tokens)
         lr = lr_at(self.step, self.cfg.optim, t.steps)
-        scale = self.scaler.scale if self.scaler is not None else None
+        scale = self.scaler.scale_tensor if self.scaler is not None else None
         s = self.state
         with kernels.use(self.cfg.compute.kernels):
-            s.params, s.opt_state, metrics = self.train_step(s.params, s.opt_state, self._my_micro_batches(batch), lr,
+            s.params, s.opt_state, metrics = self.train_step(s.params, s.opt_state, to_device(micros, self.device), lr,
                                                              n_tokens, loss_scale=scale)
+        if self.scaler is not None:
+            self.scaler.update(metrics["finite"])
         s.step += 1
-        return settle(s, metrics, lr, scale, policy=t.nonfinite, diagnostics_dir=t.diagnostics_dir,
+        return Pending(s.step, lr, metrics, scale, self.scaler.scale_tensor if self.scaler is not None else None)
+
+    def settle(self, pending: list[Pending]) -> list[dict[str, float]]:
+        """The outcomes of launched steps (loss, lr, grad norm, ...), read from the device
+        in one go; applies the non-finite policy (``train.nonfinite``) to them, in order."""
+        t = self.cfg.train
+        return settle(self.state, pending, policy=t.nonfinite, diagnostics_dir=t.diagnostics_dir,
                       local_paths=self._local_paths, rank=self._rank, say=self._say)
+
+    def do_step(self) -> dict[str, float]:
+        """One optimizer step, waited for: loss, lr and grad norm (a host sync; the training
+        loop launches steps and settles them at log steps instead)."""
+        return self.settle([self.launch_step()])[0]
 
     def evaluate(self) -> float:
         """Mean validation loss over ``train.eval_iters`` fixed global batches (the same

@@ -130,11 +130,11 @@ class TrainStep:
     # -- one optimizer step -----------------------------------------------------------
     def __call__(self, params: tree.Tree, opt_state: dict, micro_batches: list[dict[str, torch.Tensor]],
                  lr: float, n_tokens: torch.Tensor | None = None,
-                 loss_scale: float | None = None) -> tuple[tree.Tree, dict, dict[str, torch.Tensor]]:
-        """Run one step; returns ``(params, opt_state, metrics)`` with ``loss`` (mean over the
-        global batch's tokens) and ``grad_norm`` (before clipping) as 0-dim tensors,
-        ``finite`` (whether the update was applied) and ``nonfinite_grads`` (a flag per
-        local gradient).
+                 loss_scale: torch.Tensor | float | None = None) -> tuple[tree.Tree, dict, dict[str, torch.Tensor]]:
+        """Run one step (launched: nothing is read back to the host); returns ``(params,
+        opt_state, metrics)`` with ``loss`` (mean over the global batch's tokens) and
+        ``grad_norm`` (before clipping) as 0-dim tensors, ``finite`` (whether the update
+        was applied) and ``nonfinite_grads`` (a flag per local gradient).
 
         ``n_tokens`` is the global batch's loss-token count; it defaults to this rank's
         micro batches (right for a single device). ``loss_scale`` (fp16) multiplies the loss
@@ -144,12 +144,12 @@ class TrainStep:
         device = flat[0].device
         if n_tokens is None:
             n_tokens = global_count(micro_batches)
-        inv_tokens = (1.0 / n_tokens).to(device)
+        inv_tokens = (1.0 / n_tokens).to(device, non_blocking=True)
         grad_weight, unscale = inv_tokens, None  # what the summed loss is multiplied by for the backward
         if loss_scale is not None:
-            grad_weight = inv_tokens * loss_scale
-            unscale = torch.tensor(1.0 / loss_scale, dtype=torch.float32, device=device)
-        lr_t = torch.tensor(lr, dtype=torch.float32, device=device)
+            loss_scale = torch.as_tensor(loss_scale, dtype=torch.float32, device=device)
+            grad_weight, unscale = inv_tokens * loss_scale, 1.0 / loss_scale
+        lr_t = torch.full((), lr, dtype=torch.float32, device=device)  # a fill: no host-to-device copy
         if self.parallel is not None and self._norm_weights is None:
             self._norm_weights = self.parallel.grads.norm_weights(device)
         loss_sum = torch.zeros((), device=device)

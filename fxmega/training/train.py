@@ -24,6 +24,7 @@ from fxmega.training import faults, tracking
 from fxmega.training.heartbeat import Heartbeat
 from fxmega.training.logs import RunLog
 from fxmega.training.metrics import Throughput, device_peak, model_flops_per_token
+from fxmega.training.outcome import Pending
 from fxmega.training.run import Run
 
 log = get_logger(__name__)
@@ -68,77 +69,85 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
     result = RunResult(run=run)
     meter = Throughput(flops, peak, world)
     tokens_per_step = t.global_batch_size * t.seq_len
-    bar = None  # made once the first step is done, so that its rate and ETA leave compilation out
+    bar = None
     first_step = run.step
     spikes = faults.SpikeDetector(t.spike_z)
     rank = 0 if parallel is None else parallel.rank
     mesh = parallel.groups.mesh if parallel is not None else None
     beats = None if mesh is None else Heartbeat(rank, world, mesh.coords, mesh.names)
-    reset_peak(run.device)
-    while run.step < t.steps:
-        faults.maybe_stall(rank, run.step + 1)
-        if beats is not None:
-            beats.start(run.step + 1)
-        t0 = time.perf_counter()
-        try:
-            if t.dump_kernels and run.step == first_step:  # the first step compiles: dump what it becomes
-
-                with dump_kernels(t.dump_kernels, rank, parallel.groups.labels if parallel is not None else None):
-                    m = run.do_step()
-                log.info(f"wrote {t.dump_kernels}/rank{rank}/index.md: compiled graphs, generated code, kernels "
-                         f"and collectives")
+    if t.prefetch:  # the next batches are built while the device runs this step
+        run.prefetch(t.prefetch)
+    try:
+        pending: list[Pending] = []  # steps launched since the last report, their metrics still on the device
+        since = time.perf_counter()  # when the steps in ``pending`` began
+        reset_peak(run.device)
+        while run.step < t.steps:
+            faults.maybe_stall(rank, run.step + 1)
+            if beats is not None:
+                beats.start(run.step + 1)
+            step = run.step + 1
+            first = step == first_step + 1
+            log_line = not first and (step % t.log_interval == 0 or step == t.steps)
+            evaluate = (t.eval_interval and step % t.eval_interval == 0) or step == t.steps
+            save = t.save_dir and ((t.save_interval and step % t.save_interval == 0) or step == t.steps)
+            report = first or log_line or evaluate or save  # the steps that read the device; no others wait for it
+            try:
+                if t.dump_kernels and first:  # the first step compiles: dump what it becomes
+                    with dump_kernels(t.dump_kernels, rank, parallel.groups.labels if parallel is not None else None):
+                        pending.append(run.launch_step())
+                    log.info(f"wrote {t.dump_kernels}/rank{rank}/index.md: compiled graphs, generated code, kernels "
+                             f"and collectives")
+                else:
+                    pending.append(run.launch_step())
+                outcomes = run.settle(pending) if report else []  # one read for the interval: waits for the device
+            except RuntimeError as e:  # a collective that gave up waiting explains who it waited for
+                if beats is None:
+                    raise
+                raise beats.explain(e, step) from e
+            if beats is not None:
+                beats.done(step)
+            faults.maybe_kill(rank, step)
+            if bar is None:  # made once the first step is done, so that its rate and ETA leave compilation out
+                bar = tqdm(total=t.steps, initial=step, desc="train", unit="step", disable=not (progress and main),
+                           dynamic_ncols=True)
             else:
-                m = run.do_step()  # float() of the loss waits for the step to finish
-        except RuntimeError as e:  # a collective that gave up waiting explains who it waited for
-            if beats is None:
-                raise
-            raise beats.explain(e, run.step + 1) from e
-        seconds = time.perf_counter() - t0
-        step = run.step
-        if beats is not None:
-            beats.done(step)
-        faults.maybe_kill(rank, step)
-        first = step == first_step + 1
-        rates = meter.step(0 if first else tokens_per_step, seconds)  # compilation is not throughput
-        record = {"step": step, **m, "step_time_s": seconds, **rates}
-        if not m.get("skipped") and (z := spikes.score(m["loss"])) is not None:
-            record["loss_spike_z"] = z
-            log.warning(f"step {step}: loss {m['loss']:.4f} is {z:.1f} standard deviations above the mean of the "
-                        f"last {len(spikes.history) - 1} steps (a loss spike)")
-        result.losses.append(m["loss"])
-        if (t.eval_interval and step % t.eval_interval == 0) or step == t.steps:
-            record["valid_loss"] = result.valid_losses[step] = run.evaluate()
-            log.info(f"step {step}: validation loss {record['valid_loss']:.4f}")
-        log_line = not first and (step % t.log_interval == 0 or step == t.steps)
-        straggler = ""
-        slow = beats.stragglers(step) if log_line and beats is not None and main else None
-        if slow is not None and slow[1] > max(0.05, 0.1 * seconds):  # noticeably late, not clock noise
-            late_rank, late_s = slow
-            straggler = f" | straggler: rank {late_rank} began the step {late_s * 1e3:.0f} ms after the first"
-            record |= {"straggler_rank": late_rank, "straggler_late_s": late_s}
-        if log_line:
-            record["peak_memory_bytes"] = peak_bytes(run.device)  # the high-water mark since the last log line
-            reset_peak(run.device)
-        run_log.write(record)
-        if bar is None:
-            bar = tqdm(total=t.steps, initial=step, desc="train", unit="step", disable=not (progress and main),
-                       dynamic_ncols=True)
-        else:
-            bar.update(1)
-        bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.2f}",
-                        tok_s=f"{rates['tokens_per_s']:,.0f}")
-        if first:
-            log.info(f"step {step}: first step took {seconds:.1f} s" + (" (includes compilation)" if t.compile else ""))
-            meter.interval()
-        elif log_line:
-            avg = meter.interval()
-            peak_mem = record["peak_memory_bytes"]
-            log.info(f"step {step:>6} | loss {m['loss']:.4f} | lr {m['lr']:.3e} | grad norm {m['grad_norm']:.3f} | "
-                     f"{avg['tokens_per_s']:,.0f} tokens/s | MFU {100 * avg['mfu']:.2f}% | "
-                     f"peak mem {peak_mem / 2**30:.2f} GiB{straggler}{router_line(m)}")
-        if t.save_dir and ((t.save_interval and step % t.save_interval == 0) or step == t.steps):
-            result.checkpoint = run.save(t.save_dir)
-            log.info(f"step {step}: saved checkpoint {result.checkpoint}")
+                bar.update(1)
+            if not report:
+                continue
+            seconds = time.perf_counter() - since  # every step of the interval, finished (the read waited)
+            steps, pending, since = pending, [], time.perf_counter()
+            rates = meter.step(0 if first else tokens_per_step * len(steps), seconds)  # compilation is not throughput
+            for p, m in zip(steps, outcomes):
+                # each step of the interval gets the interval's mean time: the host did not wait for the single steps
+                record = {"step": p.step, **m, "step_time_s": seconds / len(steps), **rates}
+                if not m.get("skipped") and (z := spikes.score(m["loss"])) is not None:
+                    record["loss_spike_z"] = z
+                    log.warning(f"step {p.step}: loss {m['loss']:.4f} is {z:.1f} standard deviations above the mean of "
+                                f"the last {len(spikes.history) - 1} steps (a loss spike)")
+                result.losses.append(m["loss"])
+                if p.step == step:
+                    record |= _report(run, step, evaluate, log_line, seconds, beats if main else None, result)
+                run_log.write(record)
+            m = outcomes[-1]
+            bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.2f}",
+                            tok_s=f"{rates['tokens_per_s']:,.0f}")
+            if first:
+                log.info(f"step {step}: first step took {seconds:.1f} s"
+                         + (" (includes compilation)" if t.compile else ""))
+                meter.interval()
+            elif log_line:
+                avg = meter.interval()
+                straggler = "" if "straggler_rank" not in record else (
+                    f" | straggler: rank {record['straggler_rank']} began the step "
+                    f"{record['straggler_late_s'] * 1e3:.0f} ms after the first")
+                log.info(f"step {step:>6} | loss {m['loss']:.4f} | lr {m['lr']:.3e} | grad norm {m['grad_norm']:.3f} | "
+                         f"{avg['tokens_per_s']:,.0f} tokens/s | MFU {100 * avg['mfu']:.2f}% | "
+                         f"peak mem {record['peak_memory_bytes'] / 2**30:.2f} GiB{straggler}{router_line(m)}")
+            if save:
+                result.checkpoint = run.save(t.save_dir)
+                log.info(f"step {step}: saved checkpoint {result.checkpoint}")
+    finally:
+        run.stop_prefetch()
     if bar is not None:
         bar.close()
     run.finish_saves()
@@ -148,6 +157,22 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
         if main:  # the sample is the command's output, not a message
             print("-" * 30 + " sample " + "-" * 30 + f"\n{result.sample}\n" + "-" * 68, flush=True)
     return result
+
+
+def _report(run: Run, step: int, evaluate: bool, log_line: bool, seconds: float, beats: Heartbeat | None,
+            result: RunResult) -> dict:
+    """What a reported step's record adds: the validation loss, a straggler, the memory peak."""
+    record: dict = {}
+    if evaluate:
+        record["valid_loss"] = result.valid_losses[step] = run.evaluate()
+        log.info(f"step {step}: validation loss {record['valid_loss']:.4f}")
+    slow = beats.stragglers(step) if log_line and beats is not None else None
+    if slow is not None and slow[1] > max(0.05, 0.1 * seconds):  # noticeably late, not clock noise
+        record |= {"straggler_rank": slow[0], "straggler_late_s": slow[1]}
+    if log_line:
+        record["peak_memory_bytes"] = peak_bytes(run.device)  # the high-water mark since the last log line
+        reset_peak(run.device)
+    return record
 
 
 def router_line(m: dict) -> str:
