@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxmega.core import tree
 from fxmega.core.spec import ParamSpec
-from fxmega.ops.init import init_tensor
+from fxmega.ops.init import init_slice
 from fxmega.sharding.groups import ProcessGroups
 from fxmega.sharding.plan import ParamLayout, ShardingPlan
 
@@ -26,17 +26,34 @@ class ParamShards:
         self.layout_tree = tree.map_with_path(lambda path, _: plan.params[path], specs)
         self.layouts: list[ParamLayout] = tree.leaves(self.layout_tree)
 
-    def shard(self, full: torch.Tensor, lay: ParamLayout, kind: str = "param") -> torch.Tensor:
-        """This rank's slice of a full (padded) tensor, for ``kind`` param/grad/opt."""
-        t, coords = full, self.groups.coords
+    def cuts(self, lay: ParamLayout, kind: str = "param") -> list[tuple[int, int, int]]:
+        """How this rank's slice is cut from the full (padded) tensor: ``(dim, pieces,
+        which)`` in order — tp, then ep, then the data axes (ZeRO / fsdp)."""
+        coords, out = self.groups.coords, []
         if lay.tp_dim is not None:
-            t = t.chunk(self.groups.tp, lay.tp_dim)[coords["tp"]]
+            out.append((lay.tp_dim, self.groups.tp, coords["tp"]))
         if lay.ep_dim is not None:
-            t = t.chunk(lay.ep_size, lay.ep_dim)[coords["ep"]]
+            out.append((lay.ep_dim, lay.ep_size, coords["ep"]))
         split = lay.data_split(kind)
         if lay.zero_dim is not None and split > 1:
-            t = t.chunk(split, lay.zero_dim)[lay.data_index(kind, coords)]
+            out.append((lay.zero_dim, split, lay.data_index(kind, coords)))
+        return out
+
+    def shard(self, full: torch.Tensor, lay: ParamLayout, kind: str = "param") -> torch.Tensor:
+        """This rank's slice of a full (padded) tensor, for ``kind`` param/grad/opt."""
+        t = full
+        for dim, pieces, which in self.cuts(lay, kind):
+            t = t.chunk(pieces, dim)[which]
         return t.contiguous()
+
+    def local_index(self, path: str) -> list[torch.Tensor]:
+        """Per dim, the positions in the unpadded parameter at ``path`` that this rank's
+        shard holds (-1: tp's padding): what ``shard(pad(full))`` keeps, without the full."""
+        lay, shape = self.plan.params[path], tree.get(self.specs, path).shape
+        index = [torch.where(torch.arange(n) < have, torch.arange(n), -1) for n, have in zip(lay.shape, shape)]
+        for dim, pieces, which in self.cuts(lay):
+            index[dim] = index[dim].chunk(pieces)[which]
+        return index
 
     @staticmethod
     def pad(full: torch.Tensor, lay: ParamLayout) -> torch.Tensor:
@@ -54,9 +71,10 @@ class ParamShards:
         return self.shard(self.pad(full, lay), lay)
 
     def init_params(self, seed: int, device: torch.device) -> tree.Tree:
-        """Local shards of every parameter, equal to the slice of the single-device init."""
+        """Local shards of every parameter, drawn on ``device`` and only there, equal to the
+        slice of the single-device init."""
         def one(path: str, spec: ParamSpec) -> torch.Tensor:
-            return self.local_of(init_tensor(spec, path, seed), path).to(device).requires_grad_(True)
+            return init_slice(spec, path, seed, self.local_index(path), device).requires_grad_(True)
 
         return tree.map_with_path(one, self.specs)
 
