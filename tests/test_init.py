@@ -1,12 +1,17 @@
 """Deterministic init: values depend only on (seed, parameter path)."""
 
+import pytest
 import torch
 
+from fxmega.config import load, override
 from fxmega.core import tree
 from fxmega.core.spec import ParamSpec, normal
-from fxmega.models import gpt
+from fxmega.models import gpt, model_for
 from fxmega.ops import counter_random
 from fxmega.ops.init import init_params, init_slice, init_tensor, param_seed
+from fxmega.planning.fake import fake_parallel, fake_world
+from fxmega.sharding.mesh import MeshSpec
+from tests.conftest import ROOT
 
 PINNED = [0.821083664894104, 0.428498238325119, 0.33369138836860657, 0.3072842061519623]
 
@@ -84,3 +89,28 @@ def test_a_slice_is_drawn_without_the_full_tensor():
     big = ParamSpec((3, 70_000), ("a", "b"), normal(1.0))
     assert torch.equal(init_slice(big, "b", 0, [torch.tensor([2]), torch.arange(70_000)[-5:]]),
                        init_tensor(big, "b", 0)[2:, -5:])
+
+
+# every mesh the parity tests train on, as ranks of a fake process group in this process
+MESHES = [("tiny_gpt", ["parallel.mesh=dp=2"]), ("tiny_gpt", ["parallel.mesh=dp=2", "parallel.rules=zero1"]),
+          ("tiny_gpt", ["parallel.mesh=dp=2", "parallel.rules=zero3"]),
+          ("tiny_gpt", ["parallel.mesh=fsdp=2", "parallel.rules=fsdp"]),
+          ("tiny_gpt", ["parallel.mesh=tp=2", "parallel.sequence_parallel=true"]),  # a padded vocabulary
+          ("tiny_llama", ["parallel.mesh=dp=2,tp=2", "parallel.rules=zero1", "parallel.sequence_parallel=true"]),
+          ("tiny_llama", ["parallel.mesh=2x2x2", "parallel.rules=zero1"]),  # dp x tp x pp
+          ("tiny_llama", ["parallel.mesh=dp=2,fsdp=2,tp=2", "parallel.rules=fsdp"]),
+          ("tiny_moe", ["parallel.mesh=dp=2,ep=2", "parallel.rules=zero3"]),
+          ("tiny_moe", ["parallel.mesh=fsdp=4,ep=2", "parallel.rules=fsdp"]),  # ep folded over fsdp
+          ("tiny_moe", ["parallel.mesh=dp=2,ep=2,tp=2"])]
+
+
+@pytest.mark.parametrize("name,sets", MESHES, ids=[f"{n}:{','.join(s)}" for n, s in MESHES])
+def test_every_rank_draws_the_slice_of_the_full_init(name, sets):
+    cfg = override(load(ROOT / "configs" / f"{name}.py"), [*sets, "train.global_batch_size=64"])
+    full = dict(tree.items(init_params(model_for(cfg.model).param_specs(cfg.model), cfg.train.seed)))
+    world = MeshSpec.parse(cfg.parallel.mesh).world_size
+    for rank in range(world):
+        with fake_world(world, rank):
+            par = fake_parallel(cfg, rank)
+            for path, local in tree.items(par.shards.init_params(cfg.train.seed, torch.device("cpu"))):
+                assert torch.equal(local, par.shards.local_of(full[path], path)), (name, sets, rank, path)
