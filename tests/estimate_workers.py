@@ -56,6 +56,7 @@ def step_peak(sets: list[str]) -> dict:
     (the second call: the first compiles), and the predicted activations + transient."""
     from fxmega.core.memory import current_bytes, peak_bytes, reset_peak
     from fxmega.ops.recompute import inductor_options
+    from fxmega.training.evaluate import my_micro_batches
     from fxmega.training.run import Run
     from fxmega.training.step import compiled, enable_autograd_in_compile
 
@@ -69,7 +70,7 @@ def step_peak(sets: list[str]) -> dict:
         run.loss_sum
     batch = run.train_data.global_batch(0, cfg.train.micro_batch_size * mesh.data_size)
     if par is not None:
-        batch = run._my_micro_batches(batch)[0]
+        batch = my_micro_batches(batch, cfg.train.micro_batch_size, par, device)[0]
     enable_autograd_in_compile()
 
     def loss_and_grads(flat: list[torch.Tensor], batch: dict, inv_tokens: torch.Tensor) -> tuple:

@@ -44,8 +44,10 @@ def init_slice(spec: ParamSpec, path: str, seed: int, index: list[torch.Tensor],
     valid = torch.ones(shape, dtype=torch.bool, device=device)
     for dim, ix in enumerate(index):
         valid &= (ix >= 0).view([-1 if d == dim else 1 for d in range(len(shape))])
-    if spec.init.kind in ("zeros", "ones"):
-        return valid.to(torch.float32) if spec.init.kind == "ones" else torch.zeros(shape, device=device)
+    if spec.init.kind == "zeros":
+        return torch.zeros(shape, device=device)
+    if spec.init.kind == "ones":
+        return torch.ones(shape, device=device).masked_fill_(~valid, 0.0)
     out = torch.empty(shape, device=device)
     if out.numel() == 0:
         return out
