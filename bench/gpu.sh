@@ -50,6 +50,14 @@ for name, extra in (("configs/tiny_gpt.py", []), ("configs/tiny_llama.py", ["com
     run.stop_prefetch()
     print(name, extra, verdict, "losses", [round(o["loss"], 4) for o in out][::3])
 PY
+echo "== sharded init by position: CUDA's values equal the CPU's bit for bit (fxmega/ops/counter_random.py)"
+python3 - <<'PY' 2>&1 | tee "$out/init_cuda_cpu.txt"
+import torch
+from fxmega.ops.counter_random import normal_at
+index = torch.arange(10_000_000)
+cpu, cuda = normal_at(1234, index), normal_at(1234, index.cuda()).cpu()
+print("equal" if torch.equal(cpu, cuda) else f"DIFFER at {int((cpu != cuda).sum())} of {index.numel()} values")
+PY
 echo "== default run on CUDA (shakespeare_gpt, 800 steps)"
 python3 run.py --config configs/shakespeare_gpt.py --device cuda --no-progress --set train.save_dir= \
   --set train.tensorboard_dir= --log-jsonl "$out/shakespeare.jsonl" 2>&1 | grep -v "^step .*|" | tail -25 | tee "$out/shakespeare.txt"

@@ -9,7 +9,7 @@ logarithm and cosine are written with +, -, *, / and ``frexp`` only (series that
 float32 precision), because those are correctly rounded by IEEE 754 everywhere — whereas
 ``torch.log``/``torch.cos`` may differ in the last bit between a vectorised loop and its
 scalar tail, or between CPU and CUDA. So the values are bit-identical whatever the shard,
-the tensor's alignment or the device.
+the tensor's alignment or the device (CUDA against the CPU: compared by ``bench/gpu.sh``).
 """
 
 from __future__ import annotations
