@@ -47,6 +47,8 @@ class Classifier:
         self.EMBED_PARAMS = family.EMBED_PARAMS
         self.EMBED_INPUTS = family.EMBED_INPUTS
         self.embed, self.block = family.embed, family.block
+        if hasattr(family, "attend_inputs"):  # the blocks' per-step inputs, built once as the family's are
+            self.attend_inputs = family.attend_inputs
         backbone = family.param_specs(cfg)
         pools = tuple(g for g in family.POOL_PARAMS if g in backbone)
         # the family's LM head (Llama's ``head``, BERT's ``mlm``) is left out: a parameter

@@ -94,7 +94,7 @@ HEAD_PARAMS = ("final_norm", "embed")
 # them stacked with the tokens): each token's position, when the batch has them (context
 # parallelism's head-tail chunks are out of order); else 0, 1, 2, ...
 EMBED_INPUTS: tuple[str, ...] = ("positions",)
-CONTEXT_PARALLEL = True  # blocks take positions, so a sequence may be split into out-of-order chunks
+CONTEXT_PARALLEL = True  # attend_inputs takes positions, so a sequence may be split into out-of-order chunks
 # What one block keeps for its backward (``fxmega.models.census``): two LayerNorms, the fused
 # QKV projection, the tanh-GELU MLP.
 BLOCK_SAVED = (
@@ -119,8 +119,14 @@ def objective(cfg: Config) -> objectives.Objective:
     return objectives.causal_lm(cfg.vocab_size)
 
 
-def attention(p: dict, x: torch.Tensor, valid: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-              cache: layers.KV | None = None,
+def attend_inputs(cfg: Config, seq_len: int, device: torch.device, valid: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None) -> layers.Attend:
+    """What every block's attention reads, built once per step: the mask of a padded batch
+    (``valid``) or of out-of-order chunks (``positions``); learned positions need no tables."""
+    return layers.attend_inputs(seq_len, device, valid=valid, positions=positions)
+
+
+def attention(p: dict, x: torch.Tensor, attend: layers.Attend = layers.IN_ORDER, cache: layers.KV | None = None,
               write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """Causal self-attention; with ``cache`` and ``write`` (decoding, see ``fxmega.models.pieces.decode_pieces``)
     it attends over the cache instead and also returns the updated cache."""
@@ -129,7 +135,7 @@ def attention(p: dict, x: torch.Tensor, valid: torch.Tensor | None = None, posit
     if cache is not None:
         out, cache = layers.cached_attention(q, k, v, cache, write)
         return layers.project_from_heads(out, p["wo"], p["bo"]), cache
-    out = layers.causal_attention(q, k, v, valid=valid, positions=positions)
+    out = layers.causal_attention(q, k, v, attend)
     return layers.project_from_heads(out, p["wo"], p["bo"])
 
 
@@ -140,7 +146,7 @@ def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
 
 
 def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,
-          positions: torch.Tensor | None = None, cache: layers.KV | None = None,
+          attend: layers.Attend | None = None, cache: layers.KV | None = None,
           write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """One pre-LN block on the residual stream ``x [batch, seq, embed]`` (``valid``: the
     padding mask, see ``layers.causal_attention``). With ``cache`` and ``write`` it decodes
@@ -149,13 +155,16 @@ def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = No
     Each sublayer reads the block's sequence (``ctx``: whole, or a context-parallel rank's
     chunks) and its output is brought back to the residual stream's layout: with sequence
     parallelism that is Megatron's all-gather before and reduce-scatter after each sublayer.
-    ``positions`` (with out-of-order chunks) gives attention each token's place.
+    ``attend`` is the step's (``attend_inputs``, built once for every block); without it
+    the block builds its own from ``valid``.
     """
+    if attend is None and cache is None:
+        attend = attend_inputs(cfg, x.shape[1], x.device, valid)
     h = shard(layers.layer_norm(x, **p["attn_norm"], eps=cfg.norm_eps), "batch", "ctx", "embed")
     if cache is not None:
         a, cache = attention(p["attn"], h, cache=cache, write=write)
     else:
-        a = attention(p["attn"], h, valid, positions)
+        a = attention(p["attn"], h, attend)
     x = x + shard(a, "batch", "seq", "embed")
     h = shard(layers.layer_norm(x, **p["mlp_norm"], eps=cfg.norm_eps), "batch", "ctx", "embed")
     x = x + shard(mlp(p["mlp"], h), "batch", "seq", "embed")
@@ -205,8 +214,9 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config,
     """Logits ``[batch, seq, vocab]`` for ``tokens [batch, seq]``; ``attention_mask
     [batch, seq]`` (1 for tokens, 0 for padding) for padded batches."""
     x = embed(params, tokens, cfg)
+    attend = attend_inputs(cfg, tokens.shape[1], tokens.device, attention_mask)
     for p in params["blocks"]:
-        x = block(p, x, cfg, attention_mask)
+        x = block(p, x, cfg, attention_mask, attend)
     return head(params, x, cfg)
 
 

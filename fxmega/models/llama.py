@@ -139,7 +139,7 @@ HEAD_PARAMS = ("final_norm", "head")
 # What the embedding reads from a batch besides the tokens (a pipeline's first stage gets
 # them stacked with the tokens): nothing.
 EMBED_INPUTS: tuple[str, ...] = ()
-CONTEXT_PARALLEL = True  # blocks take positions, so a sequence may be split into out-of-order chunks
+CONTEXT_PARALLEL = True  # attend_inputs takes positions, so a sequence may be split into out-of-order chunks
 # What one block keeps for its backward (``fxmega.models.census``). RMSNorm runs in fp32: its
 # fp32 input, the rsqrt statistics and the normalised values; a recomputed region keeps the
 # residual in the compute dtype instead of the fp32 copy.
@@ -181,11 +181,19 @@ def objective(cfg: Config) -> objectives.Objective:
     return objectives.causal_lm(cfg.vocab_size)
 
 
-def attention(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,
-              positions: torch.Tensor | None = None, cache: layers.KV | None = None,
+def attend_inputs(cfg: Config, seq_len: int, device: torch.device, valid: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None) -> layers.Attend:
+    """What every block's attention reads, built once per step: the rotary tables (at
+    ``positions`` when the tokens are out-of-order chunks) and the mask padding or chunks need."""
+    return layers.attend_inputs(seq_len, device, cfg.rope, cfg.head_dim, valid, positions)
+
+
+def attention(p: dict, x: torch.Tensor, cfg: Config, attend: layers.Attend = layers.IN_ORDER,
+              cache: layers.KV | None = None,
               write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
-    """Causal self-attention with rotary positions; with ``cache`` and ``write`` (decoding, see
-    ``fxmega.models.pieces.decode_pieces``) it attends over the cache instead and also returns the updated cache."""
+    """Causal self-attention with rotary positions (the tables in ``attend``); with ``cache`` and
+    ``write`` (decoding, see ``fxmega.models.pieces.decode_pieces``) it attends over the cache
+    instead and also returns the updated cache."""
     q = layers.project_to_heads(x, p["wq"], p.get("bq"))
     k = layers.project_to_heads(x, p["wk"], p.get("bk"))
     v = layers.project_to_heads(x, p["wv"], p.get("bv"))
@@ -195,7 +203,7 @@ def attention(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None 
     if cache is not None:  # the rotary tables come with ``write``, at each row's positions
         out, cache = layers.cached_attention(q, k, v, cache, write)
         return layers.project_from_heads(out, p["wo"]), cache
-    out = layers.causal_attention(q, k, v, rope=cfg.rope, valid=valid, positions=positions)
+    out = layers.causal_attention(q, k, v, attend)
     return layers.project_from_heads(out, p["wo"])
 
 
@@ -215,18 +223,21 @@ def dense_feed_forward(p: dict, h: torch.Tensor, cfg: Any, valid: torch.Tensor |
 
 
 def residual_block(p: dict, x: torch.Tensor, cfg: Any, feed_forward: FeedForward, valid: torch.Tensor | None = None,
-                   positions: torch.Tensor | None = None, cache: layers.KV | None = None,
+                   attend: layers.Attend | None = None, cache: layers.KV | None = None,
                    write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """One pre-norm block on the residual stream ``x [batch, seq, embed]``: attention, then
     ``feed_forward(p, h, cfg, valid)`` (the MLP here; experts in ``fxmega.models.mixtral``).
     Sublayers read the whole sequence (see ``gpt.block``); ``valid`` is the padding mask.
     With ``cache`` and ``write`` it decodes (see ``fxmega.models.pieces.decode_pieces``) and
-    returns ``(x, updated cache)``."""
+    returns ``(x, updated cache)``. ``attend`` is the step's (``attend_inputs``, built once for
+    every block); without it the block builds its own from ``valid``."""
+    if attend is None and cache is None:
+        attend = attend_inputs(cfg, x.shape[1], x.device, valid)
     h = shard(layers.rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps), "batch", "ctx", "embed")
     if cache is not None:
         a, cache = attention(p["attn"], h, cfg, cache=cache, write=write)
     else:
-        a = attention(p["attn"], h, cfg, valid, positions)
+        a = attention(p["attn"], h, cfg, attend)
     x = x + shard(a, "batch", "seq", "embed")
     h = shard(layers.rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "batch", "ctx", "embed")
     x = x + shard(feed_forward(p, h, cfg, valid), "batch", "seq", "embed")
@@ -234,10 +245,10 @@ def residual_block(p: dict, x: torch.Tensor, cfg: Any, feed_forward: FeedForward
 
 
 def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,
-          positions: torch.Tensor | None = None, cache: layers.KV | None = None,
+          attend: layers.Attend | None = None, cache: layers.KV | None = None,
           write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """One Llama block (``residual_block`` with the dense MLP)."""
-    return residual_block(p, x, cfg, dense_feed_forward, valid, positions, cache, write)
+    return residual_block(p, x, cfg, dense_feed_forward, valid, attend, cache, write)
 
 
 def embed(params: dict, tokens: torch.Tensor, cfg: Config, positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -280,8 +291,9 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config,
     """Logits ``[batch, seq, vocab]`` for ``tokens [batch, seq]``; ``attention_mask
     [batch, seq]`` (1 for tokens, 0 for padding) for padded batches."""
     x = embed(params, tokens, cfg)
+    attend = attend_inputs(cfg, tokens.shape[1], tokens.device, attention_mask)
     for p in params["blocks"]:
-        x = block(p, x, cfg, attention_mask)
+        x = block(p, x, cfg, attention_mask, attend)
     return head(params, x, cfg)
 
 

@@ -25,6 +25,7 @@ from fxmega.models.llama import (  # noqa: F401  (the family's pieces, shared wi
     EMBED_PARAMS,
     HEAD_PARAMS,
     POOL_PARAMS,
+    attend_inputs,
     decode_write,
     embed,
     final_hidden,
@@ -150,18 +151,19 @@ def feed_forward(p: dict, h: torch.Tensor, cfg: Config, valid: torch.Tensor | No
 
 
 def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,
-          positions: torch.Tensor | None = None, cache: layers.KV | None = None,
+          attend: layers.Attend | None = None, cache: layers.KV | None = None,
           write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """One block: Llama's attention, then experts or the dense MLP (``feed_forward``)."""
-    return llama.residual_block(p, x, cfg, feed_forward, valid, positions, cache, write)
+    return llama.residual_block(p, x, cfg, feed_forward, valid, attend, cache, write)
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config,
             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Logits ``[batch, seq, vocab]`` for ``tokens [batch, seq]``."""
     x = embed(params, tokens, cfg)
+    attend = attend_inputs(cfg, tokens.shape[1], tokens.device, attention_mask)
     for p in params["blocks"]:
-        x = block(p, x, cfg, attention_mask)
+        x = block(p, x, cfg, attention_mask, attend)
     return head(params, x, cfg)
 
 

@@ -47,18 +47,24 @@ def run_pieces(model: ModelFamily, params: dict, layouts: dict, x: torch.Tensor,
                head_inputs: Sequence[torch.Tensor | None] = ()) -> torch.Tensor:
     """``x`` through the pieces ``params`` holds, in order: the embedding (if ``embed``:
     ``x`` is then the tokens and ``inputs`` the family's ``EMBED_INPUTS``), every block in
-    ``params["blocks"]`` (with ``valid``, the attention mask, and ``positions``, each token's
-    place when the tokens are out of order, where given), and the head (if
+    ``params["blocks"]`` (with ``valid``, the attention mask, and the family's
+    ``attend_inputs`` built once from it and ``positions``, each token's place when the
+    tokens are out of order), and the head (if
     ``head``, with ``head_inputs``: the family's ``HEAD_INPUTS``). ``layouts`` mirrors
     ``params``; ``compute`` (a ``ComputeConfig``) picks each block's recompute mode."""
     mode, first_n = (compute.recompute, compute.recompute_layers) if compute is not None else ("none", 0)
     if embed:
         x = call(model.embed, top(model.EMBED_PARAMS, params), top(model.EMBED_PARAMS, layouts), x, cfg, *inputs)
-    # the blocks' optional inputs, positional (a piece call passes arguments on as they are)
-    extra = (valid,) if positions is None else (valid, positions)
-    extra = extra if any(e is not None for e in extra) else ()
+    # the blocks' optional inputs, positional (a piece call passes arguments on as they are):
+    # what attention reads that no layer changes (rotary tables, masks) is built here, once
+    blocks = blocks_of(params)
+    attend = getattr(model, "attend_inputs", None)
+    if attend is not None and blocks:
+        extra: tuple = (valid, attend(cfg, x.shape[1], x.device, valid, positions))
+    else:
+        extra = () if valid is None else (valid,)
     lays = dict(blocks_of(layouts))
-    for i, p in blocks_of(params):
+    for i, p in blocks:
         x = call(model.block, p, lays[i], x, cfg, *extra, recompute=mode_for_block(mode, i, first_n))
     if head:
         x = call(model.head, top(model.HEAD_PARAMS, params), top(model.HEAD_PARAMS, layouts), x, cfg, *head_inputs)

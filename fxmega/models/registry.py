@@ -41,9 +41,12 @@ class ModelFamily(Protocol):
     (default none; a classifier's reads the attention mask); ``OUTPUT_AXES``, the logical
     axes of the head's outputs (default ``("batch", None, "vocab")``: logits over the
     vocabulary); ``POOL_PARAMS`` and ``pool(params, x, valid, cfg) -> [batch, embed]``, what
-    ``fxmega.models.classifier`` puts a classification head on; ``CONTEXT_PARALLEL = True``
-    when ``block(params, x, cfg, valid, positions)`` honours each token's ``positions`` (and
-    the embedding reads them), so that context parallelism may hand it out-of-order chunks."""
+    ``fxmega.models.classifier`` puts a classification head on; ``attend_inputs(cfg, seq_len,
+    device, valid, positions)``, what every block's attention reads that no layer changes
+    (rotary tables, masks), built once per step and given to blocks as
+    ``block(params, x, cfg, valid, attend)``; ``CONTEXT_PARALLEL = True`` when those honour
+    each token's ``positions`` (and the embedding reads them), so that context parallelism may
+    hand it out-of-order chunks."""
 
     Config: type
     EMBED_PARAMS: tuple[str, ...]

@@ -87,16 +87,17 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object) -
     return rearrange(out, "batch heads seq dim -> batch seq heads dim")
 
 
-def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None,
-                      valid: torch.Tensor | None = None) -> torch.Tensor:
-    # Runs on local shards: batch and heads may be split, seq and head_dim are whole.
-    if rope is not None:
-        cos, sin = rope.tables(torch.arange(q.shape[1], device=q.device), q.shape[-1])
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    # without padding: is_causal, which the flash kernels take; with it, an explicit mask
-    # (the memory-efficient kernels take that on GPUs)
-    mask = None if valid is None else padded_causal_mask(valid)
-    return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[2] != q.shape[2])
+class Attend(NamedTuple):
+    """What attention reads that depends on the step's tokens but not on the layer: built once
+    per step (``attend_inputs``) and given to every block, so that no layer rebuilds rotary
+    tables or masks, or (under cp) gathers the positions again."""
+
+    chunks: bool  # the tokens are a cp rank's out-of-order chunks: attention goes through the context
+    rotary: torch.Tensor | None  # cos, sin stacked: [2, seq, head_dim], or [2, batch, seq, head_dim] at positions
+    mask: torch.Tensor | None  # [batch, 1, queries, keys] True where a query may read a key; None: causal in order
+
+
+IN_ORDER = Attend(False, None, None)  # a batch without padding, in order, without rotary positions
 
 
 class Context(Protocol):
@@ -114,44 +115,89 @@ class Context(Protocol):
     def ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
 
 
-def _attention_across_chunks(context: Context | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             rope: Rope | None, positions: torch.Tensor,
-                             valid: torch.Tensor | None = None) -> torch.Tensor:
-    # Runs on local shards (heads may be split over tp): this rank's chunks of the sequence.
-    # With cp the keys and values of the whole sequence are gathered (allgather), or q, k
-    # and v exchanged for head groups of the whole sequence (a2a); causality comes from the
-    # positions, not from the order. The ring passes keys and values around block by block;
-    # causality there is the head-tail order's structure, so no mask is built.
+def _context() -> Context | None:
+    return getattr(active(), "context", None)
+
+
+def _chunk_mask(context: Context | None, positions: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    # Runs on local chunks: causality from the positions, not the order. Keys are the whole
+    # sequence (gathered); queries this rank's chunks, or under a2a the whole sequence too.
     q_pos = k_pos = positions
+    if context is not None:
+        k_pos = context.gather(positions)
+        valid = context.gather(valid) if valid is not None else None
+        q_pos = k_pos if context.mode == "a2a" else positions
+    mask = q_pos[:, :, None] >= k_pos[:, None, :]  # [batch, queries, keys]
+    if valid is not None:  # padding keys out; a padding query still reads itself (no NaN row)
+        mask = (mask & valid[:, None, :].bool()) | (q_pos[:, :, None] == k_pos[:, None, :])
+    return mask[:, None]
+
+
+def attend_inputs(seq_len: int, device: torch.device, rope: Rope | None = None, head_dim: int = 0,
+                  valid: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> Attend:
+    """The step's ``Attend`` for blocks over ``seq_len`` tokens (this rank's, under cp):
+    rotary tables when ``rope`` is given (at ``positions``, or at 0..seq_len-1), and the mask
+    that padding (``valid [batch, seq]``, 1 for tokens) or out-of-order chunks
+    (``positions [batch, seq]``, each token's place in its sequence) need."""
+    if positions is None:
+        rotary = None
+        if rope is not None:  # a plain table, replicated by ``shard`` to meet split q and k
+            rotary = shard(torch.stack(rope.tables(torch.arange(seq_len, device=device), head_dim)), None, None, None)
+        mask = None if valid is None else local(padded_causal_mask, (("batch", None),), _MASK_AXES)(valid)
+        return Attend(False, rotary, mask)
+    context = _context()
+    seq = ("batch", "ctx")
+    rotary = None
+    if rope is not None:
+        def tables(pos: torch.Tensor) -> torch.Tensor:
+            return torch.stack(rope.tables(pos, head_dim))
+        rotary = local(tables, (seq,), (None, "batch", "ctx", "head_dim"))(positions)
     if context is not None and context.mode == "ring":
         if valid is not None:
             raise ConfigError("--cp-attention ring attends causally over whole chunks and does not mask padding: "
                               "use --cp-attention allgather for padded batches")
-        if rope is not None:
-            q = apply_rope(q, *rope.tables(positions, q.shape[-1]))
-            k = apply_rope(k, *rope.tables(positions, k.shape[-1]))
+        return Attend(True, rotary, None)  # causality is the ring's head-tail structure: no mask
+
+    def mask_of(*args: torch.Tensor) -> torch.Tensor:
+        return _chunk_mask(context, *args)
+
+    mask = local(mask_of, (seq,) + ((seq,) if valid is not None else ()), _MASK_AXES)(
+        positions, *(() if valid is None else (valid,)))
+    return Attend(True, rotary, mask)
+
+
+def _rotate(q: torch.Tensor, k: torch.Tensor, rotary: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    # Each token turned by its own position: elementwise, so it commutes with gathering the
+    # keys over cp or exchanging heads, and runs here on this rank's tokens only.
+    if rotary is None:
+        return q, k
+    cos, sin = rotary.unbind(0)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+    # Runs on local shards: batch and heads may be split, seq and head_dim are whole. Without
+    # padding: is_causal, which the flash kernels take; with it, an explicit mask (the
+    # memory-efficient kernels take that on GPUs).
+    return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[2] != q.shape[2])
+
+
+def _attention_across_chunks(context: Context | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             mask: torch.Tensor | None) -> torch.Tensor:
+    # Runs on local shards (heads may be split over tp): this rank's chunks of the sequence.
+    # With cp the keys and values of the whole sequence are gathered (allgather), or q, k
+    # and v exchanged for head groups of the whole sequence (a2a); causality is the step's
+    # mask, built from the positions. The ring passes keys and values around block by block;
+    # causality there is the head-tail order's structure, so it has no mask.
+    if context is not None and context.mode == "ring":
         return context.ring(q, k, v)
-    if context is not None:
-        k_pos = context.gather(positions)
-        valid = context.gather(valid) if valid is not None else None
-        if context.mode == "a2a":
-            q, k, v, q_pos = context.to_heads(q), context.to_heads(k), context.to_heads(v), k_pos
-        else:
-            k, v = context.gather(k), context.gather(v)
-    out = _attention_at_positions(q, k, v, rope, q_pos, k_pos, valid)
+    if context is not None and context.mode == "a2a":
+        q, k, v = context.to_heads(q), context.to_heads(k), context.to_heads(v)
+    elif context is not None:
+        k, v = context.gather(k), context.gather(v)
+    out = sdpa(q, k, v, attn_mask=mask, enable_gqa=k.shape[2] != q.shape[2])
     return context.from_heads(out) if context is not None and context.mode == "a2a" else out
-
-
-def _attention_at_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope | None,
-                            q_pos: torch.Tensor, k_pos: torch.Tensor,
-                            valid: torch.Tensor | None = None) -> torch.Tensor:
-    if rope is not None:
-        q = apply_rope(q, *rope.tables(q_pos, q.shape[-1]))
-        k = apply_rope(k, *rope.tables(k_pos, k.shape[-1]))
-    mask = q_pos[:, :, None] >= k_pos[:, None, :]  # [batch, queries, keys]
-    if valid is not None:  # padding keys out; a padding query still reads itself (no NaN row)
-        mask = (mask & valid[:, None, :].bool()) | (q_pos[:, :, None] == k_pos[:, None, :])
-    return sdpa(q, k, v, attn_mask=mask[:, None], enable_gqa=k.shape[2] != q.shape[2])
 
 
 # Inside attention the sequence is whole (None): batch and heads may be split. Given the
@@ -161,34 +207,26 @@ _QKV_AXES = ("batch", None, "heads", "head_dim")
 _KV_AXES = ("batch", None, "kv_heads", "head_dim")
 _Q_CTX_AXES = ("batch", "ctx", "heads", "head_dim")
 _KV_CTX_AXES = ("batch", "ctx", "kv_heads", "head_dim")
+_MASK_AXES = ("batch", None, None, None)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     rope: Rope | None = None, valid: torch.Tensor | None = None,
-                     positions: torch.Tensor | None = None) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: Attend = IN_ORDER) -> torch.Tensor:
     """Causal self-attention through SDPA (flash or memory-efficient kernels where the
     device has them). ``q [batch, seq, heads, head_dim]``; ``k``, ``v`` may have fewer
-    (grouped) heads. With ``rope`` the rotary embedding is applied to q and k first.
-    ``valid [batch, seq]`` (1 for tokens, 0 for padding) keeps padding keys out.
+    (grouped) heads. ``attend`` (the step's, from ``attend_inputs``) rotates q and k when it
+    has rotary tables and masks padding or out-of-order chunks when it has a mask; with
+    ``attend.chunks`` the tokens are a cp rank's chunks and attention reaches the others'."""
+    q, k = _rotate(q, k, attend.rotary)
+    mask = () if attend.mask is None else (attend.mask,)
+    mask_axes = () if attend.mask is None else (_MASK_AXES,)
+    if attend.chunks:
+        context = _context()
 
-    ``positions [batch, seq]``: each token's place in its sequence, when the tokens are not
-    in order (context parallelism's head-tail chunks): causality and the rotary tables come
-    from them, through an explicit mask.
-    """
-    if positions is not None:
-        context = getattr(active(), "context", None)
+        def across(*args: torch.Tensor) -> torch.Tensor:
+            return _attention_across_chunks(context, *args, *(() if mask else (None,)))
 
-        def attend(*args: torch.Tensor | Rope | None) -> torch.Tensor:
-            return _attention_across_chunks(context, *args)
-
-        seq = ("batch", "ctx")
-        in_axes = (_Q_CTX_AXES, _KV_CTX_AXES, _KV_CTX_AXES, None, seq) + ((seq,) if valid is not None else ())
-        return local(attend, in_axes, _Q_CTX_AXES)(q, k, v, rope, positions, *(() if valid is None else (valid,)))
-    if valid is None:
-        fn = local(_causal_attention, (_QKV_AXES, _KV_AXES, _KV_AXES, None), _QKV_AXES)
-        return fn(q, k, v, rope)
-    fn = local(_causal_attention, (_QKV_AXES, _KV_AXES, _KV_AXES, None, ("batch", None)), _QKV_AXES)
-    return fn(q, k, v, rope, valid)
+        return local(across, (_Q_CTX_AXES, _KV_CTX_AXES, _KV_CTX_AXES) + mask_axes, _Q_CTX_AXES)(q, k, v, *mask)
+    return local(_causal_attention, (_QKV_AXES, _KV_AXES, _KV_AXES) + mask_axes, _QKV_AXES)(q, k, v, *mask)
 
 
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor | None = None,
@@ -286,7 +324,6 @@ def _attend_over_cache(q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Te
 
 # The CacheWrite's tables, by logical name. Under a sharding plan they are plain tensors (built
 # from plain ``pad``), and ``shard`` makes them replicated DTensors to meet the split q, k, v.
-_MASK_AXES = ("batch", None, None, None)
 _ROPE_AXES = ("batch", None, "head_dim")
 
 

@@ -105,12 +105,13 @@ def communication(plan: ShardingPlan, model_cfg: Any, work: Workload,
 
 def _cp_traffic(work: Workload, shape: BlockShape, blocks: list[int], mine: list, out: AxisTraffic) -> None:
     """Collectives over cp, per micro batch (counted in traced graphs of GPT on fake cp
-    meshes, tests/test_plan_scale.py). Attention, per block: all-gather reaches the other
-    chunks' keys and values and their positions in the forward (again in a recomputed
-    forward) and reduce-scatters the keys' and values' gradients; all-to-all (Ulysses)
-    exchanges q, k and v for head groups and the output back, forward and backward, and
-    gathers the positions; the ring passes k and v (and in the backward their gradients) to
-    the next rank, one chunk pair per step. Every parameter's gradient (a partial sum over
+    meshes, tests/test_plan_scale.py). The positions of the other chunks are gathered once
+    per micro batch for every block's mask (``attend_inputs``). Attention, per block:
+    all-gather reaches the other chunks' keys and values in the forward (again in a
+    recomputed forward) and reduce-scatters their gradients; all-to-all (Ulysses)
+    exchanges q, k and v for head groups and the output back, forward and backward; the
+    ring passes k and v (and in the backward their gradients) to the next rank, one chunk
+    pair per step. Every parameter's gradient (a partial sum over
     the rank's chunks) is all-reduced over cp, in fp32, once per micro batch."""
     cp, n, act = work.cp, work.n_micro, work.act_bytes
     kv_full = work.tokens * cp * shape.kv_heads * shape.head_dim * act
@@ -131,11 +132,11 @@ def _cp_traffic(work: Workload, shape: BlockShape, blocks: list[int], mine: list
             out.add("all_to_all", len(blocks) * (cp - 1) * n, grads, cp, to_neighbour=True)
         out.add("all_to_all", len(blocks) * n, grads, cp, to_neighbour=True)
     elif work.cp_attention == "allgather":
-        out.add("all_gather", forwards * n, positions_full, cp)
+        out.add("all_gather", n if blocks else 0, positions_full, cp)
         out.add("all_gather", 2 * forwards * n, kv_full, cp)
         out.add("reduce_scatter", 2 * len(blocks) * n, kv_full, cp)
     else:
-        out.add("all_gather", forwards * n, positions_full, cp)
+        out.add("all_gather", n if blocks else 0, positions_full, cp)
         per_block = 2 * q_local + 2 * kv_local  # q, the output, k, v of this rank's tokens
         out.add("all_to_all", 4 * (forwards + len(blocks)) * n, per_block / 4, cp)
     for p in mine:
