@@ -3,9 +3,14 @@
 Batches are a pure function of (seed, split, step): resuming at step N reads exactly the
 batches an uninterrupted run reads, with no loader state to save. Each sample is a window
 of ``seq_len + 1`` tokens: ``inputs`` are its first ``seq_len``, ``targets`` its last.
+
+The sources here also read any rows of a global batch alone (``batch_rows``), equal to those
+rows of ``global_batch``: a data-parallel rank reads only its own micro batches' windows.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -36,8 +41,13 @@ class TokenWindows:
         self.tokens, self.seq_len, self.seed, self.split = tokens, seq_len, seed, split
 
     def global_batch(self, step: int, batch_size: int) -> dict[str, torch.Tensor]:
+        return self.batch_rows(step, batch_size, range(batch_size))
+
+    def batch_rows(self, step: int, batch_size: int, rows: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Rows ``rows`` of step ``step``'s global batch of ``batch_size``: every start is
+        drawn (a few integers), only these windows are read."""
         starts = _rng(self.seed, self.split, step).integers(0, len(self.tokens) - self.seq_len - 1, size=batch_size)
-        windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts])
+        windows = np.stack([self.tokens[starts[r]:starts[r] + self.seq_len + 1] for r in rows])
         return _as_batch(windows)
 
 
@@ -52,11 +62,28 @@ class MockTokens:
         self.vocab_size, self.seq_len, self.seed, self.split = vocab_size, seq_len, seed, split
 
     def global_batch(self, step: int, batch_size: int) -> dict[str, torch.Tensor]:
+        return self.batch_rows(step, batch_size, range(batch_size))
+
+    def batch_rows(self, step: int, batch_size: int, rows: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Rows ``rows`` of step ``step``'s global batch of ``batch_size``."""
         rng = _rng(self.seed, self.split, step)
         start = rng.integers(0, self.vocab_size, size=(batch_size, 1))
         stride = rng.integers(1, 8, size=(batch_size, 1))
-        windows = (start + stride * np.arange(self.seq_len + 1)) % self.vocab_size
+        picked = np.asarray(list(rows), dtype=np.int64)
+        windows = (start[picked] + stride[picked] * np.arange(self.seq_len + 1)) % self.vocab_size
         return _as_batch(windows)
+
+
+def my_rows(batch_size: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> list[int]:
+    """The rows of a global batch that data-parallel rank ``dp_rank`` reads, in order, in
+    Megatron's layout: the global batch is a sequence of accumulation steps, each holding one
+    micro batch per data-parallel rank."""
+    per_step = micro_batch_size * dp_size
+    if batch_size % per_step:
+        raise DataError(f"a global batch of {batch_size} sequences does not split into micro batches of "
+                        f"{micro_batch_size} over {dp_size} data-parallel ranks")
+    return [start + dp_rank * micro_batch_size + i for start in range(0, batch_size, per_step)
+            for i in range(micro_batch_size)]
 
 
 def micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int, dp_rank: int = 0,
@@ -64,16 +91,9 @@ def micro_batches(batch: dict[str, torch.Tensor], micro_batch_size: int, dp_rank
     """This data-parallel rank's micro batches of a global batch, in Megatron's order: the
     global batch is a sequence of accumulation steps, each holding one micro batch per
     data-parallel rank. Every mesh therefore sees the same samples in the same steps."""
-    n = next(iter(batch.values())).shape[0]
-    per_step = micro_batch_size * dp_size
-    if n % per_step:
-        raise DataError(f"a global batch of {n} sequences does not split into micro batches of "
-                        f"{micro_batch_size} over {dp_size} data-parallel ranks")
-    out = []
-    for accum_start in range(0, n, per_step):
-        lo = accum_start + dp_rank * micro_batch_size
-        out.append({k: v[lo:lo + micro_batch_size] for k, v in batch.items()})
-    return out
+    rows = my_rows(next(iter(batch.values())).shape[0], micro_batch_size, dp_rank, dp_size)
+    return [{k: v[rows[lo]:rows[lo] + micro_batch_size] for k, v in batch.items()}
+            for lo in range(0, len(rows), micro_batch_size)]
 
 
 class SampleBatches:
@@ -86,11 +106,15 @@ class SampleBatches:
         self.dataset, self.vocab_size, self.name = dataset, vocab_size, name
 
     def global_batch(self, step: int, batch_size: int) -> dict[str, torch.Tensor]:
+        return self.batch_rows(step, batch_size, range(batch_size))
+
+    def batch_rows(self, step: int, batch_size: int, rows: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Rows ``rows`` of step ``step``'s global batch of ``batch_size``: only their samples are read."""
         lo, hi = step * batch_size, (step + 1) * batch_size
         if hi > len(self.dataset):
             raise DataError(f"the {self.name} data holds {len(self.dataset):,} samples; step {step} needs samples "
                             f"up to {hi:,} (the index is built for the configured steps; rebuild it for more)")
-        windows = np.stack([self.dataset[i] for i in range(lo, hi)])
+        windows = np.stack([self.dataset[lo + r] for r in rows])
         top = int(windows.max())
         if top >= self.vocab_size or int(windows.min()) < 0:
             raise DataError(f"token id {top} in the {self.name} data is outside model.vocab_size={self.vocab_size}: "

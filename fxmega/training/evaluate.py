@@ -14,7 +14,7 @@ import torch
 
 from fxmega.config import RunConfig
 from fxmega.core import precision, tree
-from fxmega.data.batches import micro_batches
+from fxmega.data.batches import micro_batches, my_rows
 from fxmega.data.sources import build_data
 from fxmega.inference.model_loader import LoadedModel, load_model
 from fxmega.models import lm_loss_sum, loss_by_pieces
@@ -36,6 +36,28 @@ def my_host_micro_batches(batch: Batch, micro: int, parallel: Parallel | None) -
         return micro_batches(batch, micro)
     return [parallel.local_batch(b) for b in micro_batches(batch, micro, parallel.groups.data_rank,
                                                            parallel.groups.data_size)]
+
+
+def my_step_input(source: Any, step: int, batch_size: int, micro: int,
+                  parallel: Parallel | None) -> tuple[list[Batch], torch.Tensor]:
+    """Step ``step``'s input on the host: this rank's micro batches of the global batch of
+    ``batch_size`` and the loss-term count of the whole global batch. A source that reads
+    rows alone (``batch_rows``: windows of a corpus or samples of a dataset, no loss mask)
+    reads only this data rank's rows, and the count is rows x tokens; otherwise the whole
+    global batch is read (its loss mask decides the count)."""
+    read_rows = getattr(source, "batch_rows", None)
+    if read_rows is None:
+        batch = source.global_batch(step, batch_size)
+        return my_host_micro_batches(batch, micro, parallel), global_count([batch])
+    rank, size = (parallel.groups.data_rank, parallel.groups.data_size) if parallel is not None else (0, 1)
+    mine = read_rows(step, batch_size, my_rows(batch_size, micro, rank, size))
+    if "loss_mask" in mine:
+        raise ValueError(f"{type(source).__name__}.batch_rows gave a loss mask: the global count would need every "
+                         f"row; such a source must not define batch_rows")
+    micros = micro_batches(mine, micro)
+    if parallel is not None:
+        micros = [parallel.local_batch(b) for b in micros]
+    return micros, torch.tensor(float(batch_size * mine["targets"][0].numel()))
 
 
 def to_device(micros: list[Batch], device: torch.device) -> list[Batch]:

@@ -25,11 +25,10 @@ from fxmega.models import family_name, loss_by_pieces, model_for
 from fxmega.models.registry import ModelFamily
 from fxmega.ops import aux_loss, kernels, recompute
 from fxmega.ops.init import init_params
-from fxmega.ops.objectives import global_count
 from fxmega.sharding.runtime import Parallel
 from fxmega.storage import checkpoint, run_state
 from fxmega.training import faults
-from fxmega.training.evaluate import mean_loss, micro_sums, my_host_micro_batches, one_device_loss_sum, to_device
+from fxmega.training.evaluate import mean_loss, micro_sums, my_step_input, one_device_loss_sum, to_device
 from fxmega.training.optim import AdamWHyper, adamw_init, decay_mask
 from fxmega.training.outcome import Pending, settle
 from fxmega.training.pipeline_step import PipelineStep
@@ -162,11 +161,10 @@ class Run:
         """Step ``step``'s input on the host: this rank's micro batches (pinned on CUDA, for
         asynchronous copies) and the loss-token count of the whole global batch."""
         t = self.cfg.train
-        batch = self.train_data.global_batch(step, t.global_batch_size)
-        micros = my_host_micro_batches(batch, t.micro_batch_size, self.parallel)
+        micros, n_tokens = my_step_input(self.train_data, step, t.global_batch_size, t.micro_batch_size, self.parallel)
         if self.device.type == "cuda":
             micros = [{k: v.pin_memory() for k, v in b.items()} for b in micros]
-        return micros, global_count([batch])  # the count: of the whole global batch, whatever this rank's share
+        return micros, n_tokens  # the count: of the whole global batch, whatever this rank's share
 
     def prefetch(self, depth: int) -> None:
         """Build the next ``depth`` steps' input in a background thread from now on
