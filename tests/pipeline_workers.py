@@ -35,12 +35,12 @@ def pipelined(runs: list[tuple[str, dict, bool, tuple]], steps: int) -> dict | N
         graphs = counters["stats"]["unique_graphs"]  # of the training steps
         local = {p: t.detach().clone() for p, t in tree.items(run.params)}
         out[name] = {**result, "valid": run.evaluate(), "local": local, "coords": par.groups.coords,
-                     "graphs": graphs}
+                     "graphs": graphs, "shared_groups": run.train_step.shared_group_sizes}
     return out if torch.distributed.get_rank() == 0 else _rank_result(out)
 
 
 def _rank_result(out: dict) -> dict:
-    return {name: {"local": r["local"], "coords": r["coords"], "graphs": r["graphs"]} for name, r in out.items()}
+    return {name: {k: r[k] for k in ("local", "coords", "graphs", "shared_groups")} for name, r in out.items()}
 
 
 class PartialLossMask:

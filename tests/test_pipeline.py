@@ -147,6 +147,15 @@ def test_tied_embedding_stays_identical_on_first_and_last_stage(schedules):
     assert torch.equal(first["embed.tokens"], last["embed.tokens"])  # summed gradients, the same update
 
 
+@pytest.mark.slow
+def test_tied_embedding_is_summed_between_first_and_last_stage_only(reference):
+    # pp=3: the tied embedding lives on pp ranks 0 and 2; rank 1 holds only blocks
+    results = run_ranks(3, "tests.pipeline_workers:pipelined", [("pp3", dict(mesh="pp=3"), False, MICRO2)], STEPS)
+    _matches(results[0]["pp3"], reference, "pp3")
+    assert [r["pp3"]["shared_groups"] for r in results] == [[2], [], [2]]
+    assert torch.equal(results[0]["pp3"]["local"]["embed.tokens"], results[2]["pp3"]["local"]["embed.tokens"])
+
+
 COMPOSED = [
     ("pp2_dp2_zero1", dict(mesh="dp=2,pp=2", rules="zero1"), False, MICRO2),
     ("pp2_tp2_sp", dict(mesh="tp=2,pp=2", sequence_parallel=True), False, MICRO2),

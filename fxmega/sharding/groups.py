@@ -32,6 +32,7 @@ class ProcessGroups:
         # the axes over which ranks hold different tokens: a loss is summed over them
         self.token_axes = self.data_axes + (("cp",) if self.cp > 1 else ())
         self._groups: dict[tuple[str, ...], DeviceMesh] = {}
+        self._pipeline_subgroups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         if self.data_axes:
             self.group(self.data_axes)
         if self.token_axes:
@@ -47,6 +48,19 @@ class ProcessGroups:
             self._groups[axes] = sub
         return self._groups[axes]
 
+    def pipeline_subgroup(self, pp_ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """The process group of the pp ranks ``pp_ranks`` of this rank's pipeline (every
+        other coordinate the same): Megatron's embedding group when they are the first and
+        the last stage's. None where this rank's pp rank is not among them. A collective
+        call: every rank makes every pipeline's group, so every rank calls it, in one order."""
+        if pp_ranks not in self._pipeline_subgroups:
+            ranks = self.device_mesh.mesh
+            pp_dim = self.device_mesh.mesh_dim_names.index("pp")
+            pipelines = ranks.movedim(pp_dim, -1).reshape(-1, ranks.shape[pp_dim]).tolist()
+            mine, _ = dist.new_subgroups_by_enumeration([[line[r] for r in pp_ranks] for line in pipelines])
+            self._pipeline_subgroups[pp_ranks] = mine
+        return self._pipeline_subgroups[pp_ranks]
+
     def size(self, axes: tuple[str, ...]) -> int:
         return math.prod([self.mesh.size(a) for a in axes])
 
@@ -59,6 +73,9 @@ class ProcessGroups:
             labels[self.tp_mesh.get_group().group_name] = "tp"
         if self.cp_mesh is not None:
             labels[self.cp_mesh.get_group().group_name] = "cp"
+        for pp_ranks, group in self._pipeline_subgroups.items():
+            if group is not None:
+                labels[group.group_name] = "pp" + ",".join(map(str, pp_ranks))
         return labels
 
     @property

@@ -1,7 +1,7 @@
 """The training step of a pipelined run: torch.distributed.pipelining runs the stages'
 forward and backward passes over the microbatches in the schedule's order, then one
 compiled update graph reduces gradients over the data axes, sums the tied embedding's
-gradient over the pipeline, clips by the global norm and applies AdamW.
+gradient between the first and last stage only (their embedding group), clips by the global norm and applies AdamW.
 
 A stage is a thin ``nn.Module`` shell (what PipelineStage wants) whose forward calls a
 pure function of the stage's parameters: the embedding on the first stage, its blocks,
@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed import pipelining
@@ -116,11 +117,16 @@ class PipelineStep:
         self.schedule = cls(stages[0] if SCHEDULES[pipe.schedule][1] == "one" else stages, n_micro,
                             loss_fn=self._loss_fn, scale_grads=False)
         # parameters held by several pp ranks (the tied embedding on the first and last
-        # stage): every pp rank joins one all-reduce of their gradients, zeros where absent
+        # stage): their gradients are summed among those ranks only, over a group of just
+        # them (Megatron's embedding group); the stages between take no part. Every rank
+        # makes every such group (a collective), in sorted order.
         paths = [p for p, _ in tree.items(par.shards.layout_tree)]
-        self._shared = [(p, paths.index(p) if p in paths else None) for p in plan.params
-                        if len(plan.pp_owners(p)) > 1]
-        self._shared_shapes = [plan.params[p].local_shape("opt") for p, _ in self._shared]
+        owner_sets = sorted({tuple(plan.pp_owners(p)) for p in plan.params if len(plan.pp_owners(p)) > 1})
+        groups = {owners: par.groups.pipeline_subgroup(owners) for owners in owner_sets}
+        mine = {owners: [paths.index(p) for p in plan.params if tuple(plan.pp_owners(p)) == owners]
+                for owners in owner_sets if self.pp_rank in owners}
+        # (group, the flat indices of its parameters) for each group this rank is in
+        self._shared: list[tuple[dist.ProcessGroup, list[int]]] = [(groups[o], idx) for o, idx in mine.items()]
         counted = torch.tensor([1.0 if min(plan.pp_owners(p)) == self.pp_rank else 0.0 for p in paths], device=device)
         self._norm_weights = par.grads.norm_weights(device) * counted  # each element of the model once
         self._loss_group = par.groups.group(("pp", *par.groups.token_axes))  # cp: each rank its chunks' sum
@@ -203,17 +209,20 @@ class PipelineStep:
                    norm_weights: torch.Tensor, unscale: torch.Tensor | None) -> list[torch.Tensor]:
         return self.update(flat, grads, opt_state, lr, self.par, norm_weights, unscale, self._sum_shared)
 
+    @property
+    def shared_group_sizes(self) -> list[int]:
+        """How many ranks each group that this rank sums shared parameters' gradients over
+        spans (the embedding group: 2, first and last stage; none on the stages between)."""
+        return [group.size() for group, _ in self._shared]
+
     def _sum_shared(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        if not self._shared:
-            return grads
-        pieces = [grads[i].reshape(-1) if i is not None else torch.zeros(shape, device=self.device).reshape(-1)
-                  for (_, i), shape in zip(self._shared, self._shared_shapes)]
-        summed = funcol.all_reduce(torch.cat(pieces), "sum", self.par.groups.group(("pp",)))
-        out, offset = list(grads), 0
-        for (_, i), piece in zip(self._shared, pieces):
-            if i is not None:
-                out[i] = summed[offset:offset + piece.numel()].view_as(grads[i])
-            offset += piece.numel()
+        out = list(grads)
+        for group, indices in self._shared:  # one all-reduce per group, of its parameters packed
+            summed = funcol.all_reduce(torch.cat([grads[i].reshape(-1) for i in indices]), "sum", group)
+            offset = 0
+            for i in indices:
+                out[i] = summed[offset:offset + grads[i].numel()].view_as(grads[i])
+                offset += grads[i].numel()
         return out
 
     def __call__(self, params: tree.Tree, opt_state: dict, micro_batches: list[dict[str, torch.Tensor]],
