@@ -106,6 +106,18 @@ class RankTrace:
                 out[axis][c.op] = (n + 1, b + c.bytes)
         return out
 
+    def overlap_by_axis(self) -> dict[str, dict[str, tuple[int, float]]]:
+        """axis -> op -> (how many have no compute between their start and their wait, the
+        FLOPs that are between, summed): what each collective can hide behind, in the order
+        the graphs were traced."""
+        out: dict[str, dict[str, tuple[int, float]]] = {}
+        for graph in self.graphs:
+            for c in graph:
+                axis = self.labels.get(c.group, c.group)
+                n, f = out.setdefault(axis, {}).get(c.op, (0, 0.0))
+                out[axis][c.op] = (n + (c.ops_between == 0), f + c.flops_between)
+        return out
+
 
 def trace_rank_step(cfg: RunConfig, par: Parallel) -> RankTrace:
     """Compile this rank's training step on meta tensors with the aot_eager backend (the

@@ -218,8 +218,12 @@ def _on_fake_mesh(cfg: Any, plan: ShardingPlan, rank: int | None, dump_dir: str 
             lines.append(f"  none traced: the {pipe.schedule} schedule runs its stages eagerly (it splits each "
                          f"backward by walking the stage's autograd graph, which compiling would hide)")
             return lines
-    rows = [("axis", "op", "count", "bytes (inputs)")]
+    rows = [("axis", "op", "count", "bytes (inputs)", "nothing before wait", "GFLOP before waits")]
+    overlap = trace.overlap_by_axis()
     for axis, ops in sorted(trace.by_axis().items()):
         for op, (count, size) in sorted(ops.items()):
-            rows.append((axis, op, str(count), format_bytes(size)))
-    return lines + (text_table(rows) if len(rows) > 1 else ["  none"])
+            bare, flops = overlap[axis][op]
+            rows.append((axis, op, str(count), format_bytes(size), str(bare), f"{flops / 1e9:.3g}"))
+    note = ["  (compute between each collective and its wait, in the order the graphs were traced: what it "
+            "can hide behind; 'nothing' means exposed unless a scheduler moves it)"]
+    return lines + (text_table(rows) + note if len(rows) > 1 else ["  none"])

@@ -9,12 +9,18 @@ it is handed to the active recorders before running it op by op.
 
 Recording disables inductor's graph cache for the graphs compiled inside the block (a
 cached graph would skip the pass).
+
+Each collective also says what compute the graph puts between its start and its wait
+(``ops_between``, ``flops_between``: matmuls, attention and convolutions, counted by torch's
+FLOP formulas): work it can hide behind, in the order the graph was traced. A collective
+with nothing between is exposed unless a scheduler moves it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,6 +28,7 @@ from typing import Any
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.utils.flop_counter import flop_registry
 
 _SKIP = {"wait_tensor"}
 
@@ -36,6 +43,8 @@ class Collective:
     # all-to-all with split sizes: the share of the input that goes to other ranks (a ring
     # step sends all of it to one neighbour); None: an even split, (W-1)/W
     sent_share: float | None = None
+    ops_between: int = 0  # compute ops between the collective and its wait, in graph order
+    flops_between: float = 0.0  # their FLOPs (torch's formulas: matmuls, attention, convolutions)
 
     @property
     def numel(self) -> int:
@@ -71,8 +80,10 @@ def collectives_in(graph: torch.fx.Graph) -> list[Collective]:
     input tensor of each ``_c10d_functional`` call (``wait_tensor`` left out)."""
     from torch.distributed.distributed_c10d import _get_group_size_by_name
 
+    nodes = list(graph.nodes)
+    flops = [_flops(n) for n in nodes]
     found = []
-    for node in graph.nodes:
+    for at, node in enumerate(nodes):
         target = node.target
         if node.op != "call_function" or getattr(target, "namespace", None) != "_c10d_functional":
             continue
@@ -83,10 +94,36 @@ def collectives_in(graph: torch.fx.Graph) -> list[Collective]:
         inputs = node.args[0]
         vals = [i.meta["val"] for i in (inputs if isinstance(inputs, (list, tuple)) else [inputs])]
         share = _sent_share(node.args[2], group) if name == "all_to_all_single" else None
+        between = flops[at + 1:_wait_index(node, nodes, at)]
+        hidden = [f for f in between if f is not None]
         for val in vals:
             found.append(Collective(name, group, _get_group_size_by_name(group), tuple(val.shape),
-                                    val.element_size(), share))
+                                    val.element_size(), share, len(hidden), float(sum(hidden))))
     return found
+
+
+def _wait_index(node: torch.fx.Node, nodes: list[torch.fx.Node], at: int) -> int:
+    """Where the first wait on ``node``'s result is (directly, or through the getitem of a
+    collective with several outputs); right after it if none is found (counted as exposed,
+    not as hidden behind the rest of the graph)."""
+    users = set(node.users)
+    users |= {u for g in node.users if g.target is operator.getitem for u in g.users}
+    for i in range(at + 1, len(nodes)):
+        if nodes[i] in users and "wait_tensor" in str(nodes[i].target):
+            return i
+    return at + 1
+
+
+def _flops(node: torch.fx.Node) -> float | None:
+    """The FLOPs of a compute node that torch's counter has a formula for (None otherwise)."""
+    packet = getattr(node.target, "overloadpacket", None)
+    if node.op != "call_function" or packet not in flop_registry:
+        return None
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    try:
+        return float(flop_registry[packet](*args, **kwargs, out_val=node.meta.get("val")))
+    except (TypeError, AttributeError, IndexError):  # an argument without a traced value
+        return None
 
 
 def _sent_share(input_splits: Any, group: str) -> float | None:
