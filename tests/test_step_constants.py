@@ -2,8 +2,8 @@
 once per step (``attend_inputs``) and given to every block, not rebuilt per layer, nor
 again when a block is recomputed in the backward.
 
-The step is traced with ``make_fx`` in a subprocess: tracing activation checkpointing that
-way leaves state behind that a later aot_autograd partition in the same process trips on."""
+The step is traced with ``make_fx`` in a subprocess: traced in the test process, a later
+test's aot_autograd partition failed ('>' between None in the min-cut partitioner)."""
 
 from __future__ import annotations
 

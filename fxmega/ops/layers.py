@@ -10,6 +10,7 @@ Activation layouts use the names batch, seq, embed, heads, kv_heads, head_dim, m
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Protocol
 
 import torch
@@ -157,12 +158,8 @@ def attend_inputs(seq_len: int, device: torch.device, rope: Rope | None = None, 
             raise ConfigError("--cp-attention ring attends causally over whole chunks and does not mask padding: "
                               "use --cp-attention allgather for padded batches")
         return Attend(True, rotary, None)  # causality is the ring's head-tail structure: no mask
-
-    def mask_of(*args: torch.Tensor) -> torch.Tensor:
-        return _chunk_mask(context, *args)
-
-    mask = local(mask_of, (seq,) + ((seq,) if valid is not None else ()), _MASK_AXES)(
-        positions, *(() if valid is None else (valid,)))
+    given = (positions,) if valid is None else (positions, valid)
+    mask = local(functools.partial(_chunk_mask, context), (seq,) * len(given), _MASK_AXES)(*given)
     return Attend(True, rotary, mask)
 
 
@@ -184,7 +181,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def _attention_across_chunks(context: Context | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                             mask: torch.Tensor | None) -> torch.Tensor:
+                             mask: torch.Tensor | None = None) -> torch.Tensor:
     # Runs on local shards (heads may be split over tp): this rank's chunks of the sequence.
     # With cp the keys and values of the whole sequence are gathered (allgather), or q, k
     # and v exchanged for head groups of the whole sequence (a2a); causality is the step's
@@ -220,11 +217,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: 
     mask = () if attend.mask is None else (attend.mask,)
     mask_axes = () if attend.mask is None else (_MASK_AXES,)
     if attend.chunks:
-        context = _context()
-
-        def across(*args: torch.Tensor) -> torch.Tensor:
-            return _attention_across_chunks(context, *args, *(() if mask else (None,)))
-
+        across = functools.partial(_attention_across_chunks, _context())
         return local(across, (_Q_CTX_AXES, _KV_CTX_AXES, _KV_CTX_AXES) + mask_axes, _Q_CTX_AXES)(q, k, v, *mask)
     return local(_causal_attention, (_QKV_AXES, _KV_AXES, _KV_AXES) + mask_axes, _QKV_AXES)(q, k, v, *mask)
 
