@@ -112,6 +112,9 @@ class ParallelConfig:
     sequence_parallel: bool = False  # split the residual stream along seq over tp
     bucket_size: int = 40_000_000  # elements per gradient-reduction bucket (Megatron: --ddp-bucket-size)
     timeout_s: int = 600  # collectives that wait longer fail instead of hanging
+    # ZeRO-1/2 over flat per-bucket buffers, each data rank a contiguous slice of each (Megatron:
+    # --use-distributed-optimizer): any data size shards any model; off: along each tensor's embed dim
+    distributed_optimizer: bool = False
     zero3_regather: bool = True  # ZeRO-3: re-gather parameters in the backward instead of keeping them
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zero-bubble
     virtual_stages: int = 1  # stages per pp rank (interleaved schedules; Megatron: virtual pipeline size)

@@ -129,9 +129,7 @@ def trace_rank_step(cfg: RunConfig, par: Parallel) -> RankTrace:
 
     start = time.perf_counter()
     params = meta_params(par)
-    opt = {"step": torch.zeros((), device="meta"),
-           "exp_avg": [torch.zeros(lay.local_shape("opt"), device="meta") for lay in par.shards.layouts],
-           "exp_avg_sq": [torch.zeros(lay.local_shape("opt"), device="meta") for lay in par.shards.layouts]}
+    opt = par.init_opt_state("meta")
     t = cfg.train
     hyper = AdamWHyper(cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay)
     decay = decay_mask(par.specs, cfg.optim.decay_embeddings)

@@ -95,6 +95,17 @@ def all_gather(shards: list[torch.Tensor], dims: list[int], world: int, group: G
     return out
 
 
+def reduce_scatter_flat(flat: torch.Tensor, group: Group) -> torch.Tensor:
+    """Sum a 1-D buffer (its length a multiple of the group's size) over ``group``; this
+    rank's contiguous part of the sum."""
+    return _reduce_scatter_single(flat, "sum", 0, group)
+
+
+def all_gather_flat(flat: torch.Tensor, group: Group) -> torch.Tensor:
+    """Every rank's 1-D buffer, concatenated in group order."""
+    return _all_gather_single(flat, 0, group)
+
+
 _COLLECTIVE = re.compile(r"_c10d_functional\.(all_reduce_coalesced|all_reduce|reduce_scatter_tensor_coalesced|"
                          r"reduce_scatter_tensor|all_gather_into_tensor_coalesced|all_gather_into_tensor|"
                          r"all_to_all_single)\b")

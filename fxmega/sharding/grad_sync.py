@@ -6,6 +6,10 @@ Per micro batch, gradients sharded beyond their parameters (ZeRO-2's dp) are
 reduce-scattered; after the last one, the rest is reduce-scattered onto the optimizer
 shards (ZeRO-1's dp) and all-reduced over the axes that hold replicas (plain data
 parallelism). After a ZeRO-1/2 update, the updated shards are all-gathered back.
+
+With the distributed optimizer (``Strategy.flat``) the sums over replicas are instead
+reduce-scattered as flat buckets (``fxmega.sharding.flat_optimizer``) and the update runs
+over the segments this rank owns; ``owners`` says whose parameter each is.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from fxmega.sharding import collectives
+from fxmega.sharding.flat_optimizer import FlatOptimizerShards
 from fxmega.sharding.groups import ProcessGroups
 from fxmega.sharding.plan import ParamLayout
 
@@ -24,19 +29,28 @@ Bucket = tuple[str, DeviceMesh, int, list[int], list]
 class GradientSync:
     """The bucketed collectives for ``layouts`` (this rank's parameters, in leaf order) over
     ``groups``; ``bucket_numel`` elements per bucket (0: one tensor per bucket) and
-    reductions in ``reduce_dtype``."""
+    reductions in ``reduce_dtype``. ``flat``: the distributed optimizer's flat buckets for
+    the sums over replicas, except for the tensors ``whole`` marks (all-reduced)."""
 
     def __init__(self, groups: ProcessGroups, layouts: list[ParamLayout], bucket_numel: int = 0,
-                 reduce_dtype: torch.dtype = torch.float32) -> None:
+                 reduce_dtype: torch.dtype = torch.float32, flat: bool = False,
+                 whole: list[bool] | None = None) -> None:
         self.groups, self.layouts = groups, layouts
         self.bucket_numel, self.reduce_dtype = bucket_numel, reduce_dtype
         extra = lambda lay, kind, base: tuple(a for a in lay.data_axes[kind] if a not in lay.data_axes[base])  # noqa
         data_axes = groups.data_axes
+        whole = whole or [False] * len(layouts)
+        self.flat = FlatOptimizerShards(groups, layouts, whole, bucket_numel) if flat else None
+        # the flat buckets take the sums over replicas of all but the whole tensors
+        in_buckets = {i for b in self.flat.buckets for i in b.members} if self.flat is not None else set()
         self._micro = self._schedule([("reduce_scatter", extra(lay, "grad", "param")) for lay in layouts])
         self._scatter = self._schedule([("reduce_scatter", extra(lay, "opt", "grad")) for lay in layouts])
-        self._replica = self._schedule([("all_reduce", lay.replica_axes(data_axes)) for lay in layouts])
+        self._replica = self._schedule([("all_reduce", () if i in in_buckets else lay.replica_axes(data_axes))
+                                        for i, lay in enumerate(layouts)])
         self._refresh = self._schedule([("all_gather", extra(lay, "opt", "param")) for lay in layouts])
         self._opt_slices = [self._opt_slice(lay) for lay in layouts]
+        # the parameter each optimizer view belongs to
+        self.owners: list[int] = self.flat.owners if self.flat is not None else list(range(len(layouts)))
 
     def _schedule(self, ops: list[tuple[str, tuple[str, ...]]]) -> list[Bucket]:
         """The buckets of per-tensor ops ``(op, axes)`` (no axes: nothing to do)."""
@@ -75,7 +89,8 @@ class GradientSync:
         """After the last micro batch: reduce-scatter onto the optimizer shards (ZeRO-1's dp)
         and all-reduce over the data axes that hold replicas (plain data parallelism)."""
         reduce = self.reduce_dtype
-        return self._run(self._replica, self._run(self._scatter, grads, reduce), reduce)
+        grads = self._run(self._replica, self._run(self._scatter, grads, reduce), reduce)
+        return grads if self.flat is None else self.flat.reduce_scatter(grads, reduce)
 
     def _opt_slice(self, lay: ParamLayout) -> tuple[int, int, int] | None:
         extra = [a for a in lay.data_axes["opt"] if a not in lay.data_axes["param"]]
@@ -89,23 +104,58 @@ class GradientSync:
         return lay.zero_dim, index * rows, rows
 
     def opt_views(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The part of each local parameter this rank's optimizer shard updates (a view)."""
+        """The part of each local parameter this rank's optimizer shard updates (a view; with
+        the distributed optimizer one per segment, see ``owners``)."""
+        if self.flat is not None:
+            return self.flat.views(flat)
         return [p if sl is None else p.narrow(*sl) for p, sl in zip(flat, self._opt_slices)]
 
     def refresh_params(self, flat: list[torch.Tensor], views: list[torch.Tensor]) -> None:
         """After a ZeRO-1/2 update: all-gather the updated shards back into every replica."""
+        if self.flat is not None:
+            full = self.flat.all_gather(views, flat)
+            for b in self.flat.buckets:
+                for i in b.members:
+                    flat[i].copy_(full[i])
+            return
         full = self._run(self._refresh, views)
         for _, _, _, members, _ in self._refresh:
             for i in members:
                 flat[i].copy_(full[i])
 
+    def init_opt_moments(self, device: torch.device | str) -> list[torch.Tensor]:
+        """One AdamW moment of this rank: zeros shaped as its optimizer views."""
+        shapes = [lay.local_shape("opt") for lay in self.layouts]
+        return self.flat.zeros(device, shapes) if self.flat is not None else [torch.zeros(s, device=device)
+                                                                              for s in shapes]
+
+    def moments_by_param(self, moments: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A moment laid out per parameter in its ``opt`` layout (what checkpoints hold):
+        the distributed optimizer's segments are gathered over their buckets' groups (for a
+        moment, every parameter's whole moment on each replica, as Megatron's
+        non-distributed save gathers them)."""
+        if self.flat is None:
+            return moments
+        like = [torch.empty(lay.local_shape("opt"), device=moments[0].device) for lay in self.layouts]
+        # plain tensors (a clone waits for the gathers), owned by the caller: checkpoints read them
+        return [t.clone() for t in self.flat.all_gather(moments, like)]
+
+    def moments_from_params(self, by_param: list[torch.Tensor], moments: list[torch.Tensor]) -> None:
+        """Copy a per-parameter moment (``moments_by_param``'s layout) into this rank's own."""
+        with torch.no_grad():
+            for m, v in zip(moments, self.opt_views(by_param) if self.flat is not None else by_param):
+                m.copy_(v)
+
     def norm_weights(self, device: torch.device) -> torch.Tensor:
         """1 where this rank's optimizer-layout gradient counts towards the global norm, 0
-        where another rank holds the same values (tp or data replicas): each element once."""
+        where another rank holds the same values (tp or data replicas): each element once.
+        One per optimizer view (``owners``): a flat bucket's ranks hold disjoint pieces."""
         weights = []
         coords = self.groups.coords
-        for lay in self.layouts:
-            replicated = list(lay.replica_axes(self.groups.data_axes))
+        segments = self.flat.segments if self.flat is not None else [None] * len(self.layouts)
+        for i, seg in zip(self.owners, segments):
+            lay = self.layouts[i]
+            replicated = list(lay.replica_axes(self.groups.data_axes)) if seg is None or seg.whole else []
             if lay.tp_dim is None and self.groups.tp > 1:
                 replicated.append("tp")
             if self.groups.cp > 1:  # parameters are replicated over cp

@@ -78,10 +78,6 @@ class ParamShards:
 
         return tree.map_with_path(one, self.specs)
 
-    def init_opt_state(self, device: torch.device) -> dict:
-        zeros = lambda: [torch.zeros(lay.local_shape("opt"), device=device) for lay in self.layouts]  # noqa: E731
-        return {"step": torch.zeros((), device=device), "exp_avg": zeros(), "exp_avg_sq": zeros()}
-
     def placements(self, lay: ParamLayout, kind: str) -> list:
         out = []
         for axis in self.groups.mesh.names:

@@ -136,7 +136,14 @@ class ShardingPlan:
         """Parameter, gradient and optimizer bytes on a rank (of pipeline rank ``pp_rank``)."""
         copies = {"param": 1, "grad": 1, "opt": 2}  # AdamW keeps two moments
         mine = [p for p in self.params.values() if pp_rank in self.pp_owners(p.path)]
-        return {kind: sum(p.local_numel(kind) for p in mine) * BYTES_PER_ELEMENT * copies[kind] for kind in KINDS}
+        numel = {kind: sum(p.local_numel(kind) for p in mine) for kind in KINDS}
+        if self.strategy.flat:  # 1/n of each tensor's n replicas (up to a bucket's padding of < n elements)
+            data_axes = tuple(a for a in DATA_AXES if self.mesh.size(a) > 1)
+            split = [math.prod(self.mesh.size(a) for a in p.replica_axes(data_axes)) for p in mine]
+            numel["opt"] = sum(-(-p.local_numel("opt") // n) for p, n in zip(mine, split))
+            if self.zero >= 2:  # the accumulated gradient too
+                numel["grad"] = numel["opt"]
+        return {kind: numel[kind] * BYTES_PER_ELEMENT * copies[kind] for kind in KINDS}
 
     def explain(self) -> str:
         return explain(self)
@@ -168,6 +175,15 @@ def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy, pipeline: Pi
                                   f"mesh axes are {', '.join(PHYSICAL_ORDER)}")
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"--zero {zero}: use 0, 1, 2 or 3")
+    if strategy.flat and zero not in (1, 2):
+        raise ConfigError(f"the distributed optimizer shards optimizer state (ZeRO-1) and gradients (ZeRO-2) over "
+                          f"flat buffers; with zero {zero} there is nothing for it to shard"
+                          + (": use --zero 1 or 2" if zero == 0 else ": ZeRO-3 shards parameters along their embed "
+                             "dim; use --zero 1 or 2 with it, or ZeRO-3 without it"))
+    if strategy.flat and zero == 2 and mesh.size("pp") > 1:
+        raise ConfigError(f"pp={mesh.size('pp')} with zero 2: the pipeline schedule accumulates gradients over "
+                          f"microbatches inside the stage, so they cannot be reduce-scattered per microbatch. "
+                          f"Use --zero 1 with the distributed optimizer (Megatron's layout with pp)")
     if mesh.size("pp") > 1 and pipeline is None:
         raise ConfigError(f"mesh {mesh.describe()} has pp={mesh.size('pp')} but no stage split was given")
     tp = mesh.size("tp")
@@ -181,7 +197,9 @@ def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy, pipeline: Pi
         plan.notes.append(f"vocab {vocab:,} padded to {padded_vocab:,} so that tp={tp} divides it; "
                           f"the padded logits are masked out of the loss")
     for path, spec in leaves:
-        plan.params[path] = _layout(path, spec, rules, zero, mesh, tp, data_sizes, vocab, padded_vocab)
+        # the distributed optimizer shards flat buffers, not dims: every tensor keeps its rule layout
+        plan.params[path] = _layout(path, spec, rules, 0 if strategy.flat else zero, mesh, tp, data_sizes, vocab,
+                                    padded_vocab)
     ep = mesh.size("ep")
     if ep > 1:
         experts = [p.path for p in plan.params.values() if p.ep_dim is not None]

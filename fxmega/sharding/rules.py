@@ -69,6 +69,9 @@ class Strategy:
     rules: Rules = field(default_factory=lambda: dict(MEGATRON))
     zero: int = 0
     name: str = "custom"
+    # ZeRO-1/2 as Megatron's distributed optimizer: flat buffers split in contiguous ranges
+    # (fxmega.sharding.flat_optimizer) instead of each parameter split along its embed dim
+    flat: bool = False
 
 
 PRESETS: dict[str, Strategy] = {

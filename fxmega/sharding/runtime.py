@@ -70,10 +70,17 @@ class Parallel:
         exchanges = plan.mesh.size("ep") > 1  # MoE layers send tokens to their experts' ranks
         self.activations = (ActivationLayouts(plan, tp_mesh, self.context, self.groups)
                             if tp_mesh is not None or self.context is not None or exchanges else None)
-        self.grads = GradientSync(self.groups, self.shards.layouts, bucket_numel, self.reduce_dtype)
+        whole = [spec.sign_rate > 0 for spec in tree.leaves(specs)]  # updates that read the whole gradient
+        self.grads = GradientSync(self.groups, self.shards.layouts, bucket_numel, self.reduce_dtype,
+                                  plan.strategy.flat, whole)
         # ZeRO-3 / FSDP: the groups parameters are gathered over (experts, split over ep, over fewer ranks)
         self._gathers = {axes: (axes, self.groups.size(axes), self.groups.group(axes))
                          for axes in (lay.data_axes["param"] for lay in self.shards.layouts) if axes}
+
+    def init_opt_state(self, device: torch.device | str) -> dict:
+        """Fresh AdamW state for this rank's optimizer shard."""
+        return {"step": torch.zeros((), device=device), "exp_avg": self.grads.init_opt_moments(device),
+                "exp_avg_sq": self.grads.init_opt_moments(device)}
 
     @property
     def gathers_params(self) -> bool:

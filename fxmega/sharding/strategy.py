@@ -25,7 +25,9 @@ def strategy_from(p: ParallelConfig) -> Strategy:
         rules["seq"] = "tp"
     zero = base.zero if p.zero < 0 else p.zero
     name = base.name + (f" + zero {zero}" if p.zero >= 0 and p.zero != base.zero else "")
-    return Strategy(rules, zero, name)
+    if p.distributed_optimizer:
+        name += ", distributed optimizer"
+    return Strategy(rules, zero, name, p.distributed_optimizer)
 
 
 def plan_from(specs: tree.Tree, p: ParallelConfig, model: ModuleType | None = None) -> ShardingPlan:

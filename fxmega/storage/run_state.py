@@ -67,15 +67,19 @@ def _targets(run: HoldsParams | RunState, params_only: bool = False) -> dict[str
     if not params_only:
         out["opt.step"] = (run.opt_state["step"], None, "scalar")
         for k in ("exp_avg", "exp_avg_sq"):
-            out |= {f"opt.{k}.{p}": (t, lay, "opt") for p, t, lay in zip(paths, run.opt_state[k], lays)}
+            # per parameter (the distributed optimizer's segments gathered: a copy, see load_into)
+            moments = par.grads.moments_by_param(run.opt_state[k]) if par is not None else run.opt_state[k]
+            out |= {f"opt.{k}.{p}": (t, lay, "opt") for p, t, lay in zip(paths, moments, lays)}
     return out
 
 
-def tensors(run: HoldsParams | RunState, params_only: bool = False) -> dict[str, torch.Tensor]:
-    """What DCP saves: local tensors, as DTensors over the mesh when sharded."""
+def tensors(run: HoldsParams | RunState, params_only: bool = False,
+            targets: dict[str, tuple[torch.Tensor, Any, str]] | None = None) -> dict[str, torch.Tensor]:
+    """What DCP saves: local tensors, as DTensors over the mesh when sharded (of ``targets``,
+    ``_targets``' answer, when given)."""
     par = run.parallel
     return {fqn: t.detach() if lay is None or par is None else par.shards.as_dtensor(t.detach(), lay, kind)
-            for fqn, (t, lay, kind) in _targets(run, params_only).items()}
+            for fqn, (t, lay, kind) in (targets or _targets(run, params_only)).items()}
 
 
 def tokenizer_files(run: RunState) -> tuple[str | None, dict[str, Path]]:
@@ -112,7 +116,7 @@ def load_into(run: HoldsParams | RunState, path: Path, params_only: bool = False
         raise CheckpointError(f"checkpoint {path} has no {missing[0]} ({len(missing)} tensors missing): it was saved "
                               f"for a different model ({info.get('model_family')}, "
                               f"{_model_line(info)}); check --config")
-    template = tensors(run, params_only)
+    template = tensors(run, params_only, targets)
     reshaped = {}
     for fqn, (t, lay, _) in targets.items():
         want = tuple(lay.shape) if lay is not None else tuple(t.shape)
@@ -126,6 +130,11 @@ def load_into(run: HoldsParams | RunState, path: Path, params_only: bool = False
             t, lay, kind = targets[fqn]
             full = _pad_or_cut(template[fqn], want)
             t.copy_(run.parallel.shards.shard(full, lay, kind) if lay is not None else full)
+        par = run.parallel
+        if not params_only and par is not None and par.grads.flat is not None:  # the targets were copies
+            paths = tree.paths(run.local_specs)
+            for k in ("exp_avg", "exp_avg_sq"):
+                par.grads.moments_from_params([targets[f"opt.{k}.{p}"][0] for p in paths], run.opt_state[k])
     if not params_only:
         run.step = int(info["step"])
         run.skipped_steps = int(info.get("skipped_steps", 0))

@@ -128,6 +128,7 @@ class PipelineStep:
         # (group, the flat indices of its parameters) for each group this rank is in
         self._shared: list[tuple[dist.ProcessGroup, list[int]]] = [(groups[o], idx) for o, idx in mine.items()]
         counted = torch.tensor([1.0 if min(plan.pp_owners(p)) == self.pp_rank else 0.0 for p in paths], device=device)
+        counted = counted[torch.tensor(par.grads.owners, device=device)]  # per optimizer view (a flat segment)
         self._norm_weights = par.grads.norm_weights(device) * counted  # each element of the model once
         self._loss_group = par.groups.group(("pp", *par.groups.token_axes))  # cp: each rank its chunks' sum
         self._update = compiled(self._update_fn, backend) if compile else self._update_fn

@@ -119,7 +119,7 @@ class Run:
             loss_sum = one_device_loss_sum(self.specs, cfg.model, cfg.compute, self.model)
         else:
             params = parallel.shards.init_params(t.seed, self.device)
-            opt_state = parallel.shards.init_opt_state(self.device)
+            opt_state = parallel.init_opt_state(self.device)
             loss_sum = parallel.loss_sum_fn(loss_by_pieces(cfg.model, parallel.compute, self.model))
         if self.pipelined:  # PipelineStage registers the stage's parameters as nn.Parameters (same storage)
             params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), params)
@@ -229,9 +229,9 @@ class Run:
         in the parameter tree, on every rank (every rank takes part). After the first step
         ``exp_avg`` is (1 - beta1) times the clipped global gradient: what the parity tests
         compare parameter by parameter."""
-        local = tree.unflatten_like(self.local_specs, self.opt_state[name])
         if self.parallel is None:
-            return local
+            return tree.unflatten_like(self.local_specs, self.opt_state[name])
+        local = tree.unflatten_like(self.local_specs, self.parallel.grads.moments_by_param(self.opt_state[name]))
         return self.parallel.shards.full_params(local, self.specs, kind="opt")
 
     def save(self, root: str) -> str:

@@ -43,26 +43,36 @@ class Update:
         device); ``norm_weights``: how much each local gradient counts in the global norm
         (a replicated tensor once, a shard once per shard); ``unscale``: 1 / the fp16 loss
         scale; ``reduce_shared``: sums the gradients of parameters several pipeline ranks
-        hold. Returns ``[grad_norm, finite, nonfinite flag per gradient]``."""
+        hold. Returns ``[grad_norm, finite, nonfinite flag per gradient]``. Under the
+        distributed optimizer the update runs over the segments this rank owns
+        (``GradientSync.owners``: each one's parameter)."""
         with torch.no_grad():
-            targets = flat
+            targets, owners = flat, list(range(len(flat)))
             if parallel is not None:
+                if reduce_shared is not None and parallel.grads.flat is not None:
+                    grads, reduce_shared = reduce_shared(grads), None  # before the buckets cut tensors apart
                 grads = parallel.grads.final_grads(grads)
-                targets = parallel.grads.opt_views(flat)
+                targets, owners = parallel.grads.opt_views(flat), parallel.grads.owners
             if reduce_shared is not None:
                 grads = reduce_shared(grads)
             if unscale is not None:  # fp16: the gradients of the scaled loss, back to true size
                 grads = torch._foreach_mul(grads, unscale)
-            counted = [i for i, rate in enumerate(self.sign_rates) if rate]
-            loads = [grads[i] for i in counted]
+            rates = [self.sign_rates[i] if self.sign_rates else 0.0 for i in owners]
+            counted = [k for k, rate in enumerate(rates) if rate]
+            loads = [grads[k] for k in counted]
             if counted:  # AdamW sees zeros there: its moments and the parameter stay put
-                grads = [torch.zeros_like(g) if i in counted else g for i, g in enumerate(grads)]
+                grads = [torch.zeros_like(g) if k in counted else g for k, g in enumerate(grads)]
             norms = per_tensor_norms(grads)
             grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights,
                                              parallel.groups.sum_over_world if parallel is not None else None, norms)
             finite = torch.isfinite(grad_norm)  # not finite anywhere: the update is not applied
-            adamw_update(targets, grads, opt_state, lr, self.hyper, self.decay, apply=finite.float())
-            sign_update_([targets[i] for i in counted], loads, [self.sign_rates[i] for i in counted], finite.float())
+            adamw_update(targets, grads, opt_state, lr, self.hyper, [self.decay[i] for i in owners],
+                         apply=finite.float())
+            sign_update_([targets[k] for k in counted], loads, [rates[k] for k in counted], finite.float())
             if parallel is not None:
                 parallel.grads.refresh_params(flat, targets)
-        return [grad_norm, finite, ~torch.isfinite(norms)]
+            bad = ~torch.isfinite(norms)
+            if len(owners) != len(flat) or owners != list(range(len(flat))):  # per parameter, from its pieces
+                index = torch.tensor(owners, device=bad.device)
+                bad = torch.zeros(len(flat), device=bad.device).index_add_(0, index, bad.float()) > 0
+        return [grad_norm, finite, bad]

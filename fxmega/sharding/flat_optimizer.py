@@ -1,0 +1,162 @@
+"""Megatron-LM's distributed optimizer: ZeRO-1/2 over flat buffers rather than along a dim.
+
+The gradients a data group sums are packed, bucket by bucket (backward order, at most
+``--ddp-bucket-size`` elements each), into one flat buffer padded to a multiple of the
+group's size. A reduce-scatter leaves each rank one contiguous ``1/world`` of every bucket;
+the rank keeps AdamW moments for that range only and updates it, and an all-gather of the
+updated ranges refreshes every replica. A parameter's shape plays no part, so any data size
+shards any model — the per-dim layout (``ParamLayout.zero_dim``) needs the data size to
+divide each parameter's ``embed`` dim, which Megatron's own dp=48 layouts do not.
+
+A rank's range of a bucket cuts across parameters, so it is held as *segments*: pieces
+``(tensor, start, length)`` of the flattened local parameters. The update runs over the
+segments (views into the parameters), so a segment list stands where the per-tensor list
+stands in ``fxmega.training.update``; ``owners`` maps each segment to its parameter.
+Parameters that need their whole gradient (a ``sign_rate`` bias: its update compares every
+expert's load) and those with no replicas stay whole: one segment each, the tensor itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fxmega.sharding import collectives
+from fxmega.sharding.collectives import Group
+from fxmega.sharding.groups import ProcessGroups
+from fxmega.sharding.plan import ParamLayout
+
+
+@dataclass(frozen=True)
+class Segment:
+    """``length`` elements of local parameter ``tensor`` from ``start`` (flattened); a
+    negative ``start`` means the whole tensor in its own shape."""
+
+    tensor: int
+    start: int
+    length: int
+
+    @property
+    def whole(self) -> bool:
+        return self.start < 0
+
+
+def owned_segments(members: list[int], numels: list[int], world: int, index: int) -> tuple[list[Segment], int]:
+    """The pieces of the tensors ``members`` (of ``numels`` elements, packed in this order and
+    padded to a multiple of ``world``) that rank ``index`` of ``world`` owns: its contiguous
+    ``1/world`` of the buffer. Returns the segments and the padding the range ends with."""
+    total = sum(numels)
+    shard = -(-total // world)
+    lo, hi = index * shard, (index + 1) * shard
+    out, offset = [], 0
+    for i, n in zip(members, numels):
+        a, b = max(lo, offset), min(hi, offset + n)
+        if a < b:
+            out.append(Segment(i, a - offset, b - a))
+        offset += n
+    return out, shard - sum(s.length for s in out)
+
+
+@dataclass(frozen=True)
+class FlatBucket:
+    """One flat buffer: the tensors ``members`` summed over ``group`` (``world`` ranks, this
+    one at ``index``), each rank owning ``segments`` and then ``pad`` zeros."""
+
+    group: Group
+    world: int
+    index: int
+    members: tuple[int, ...]
+    numels: tuple[int, ...]
+    segments: tuple[Segment, ...]
+    pad: int
+
+    @property
+    def shard(self) -> int:
+        return sum(s.length for s in self.segments) + self.pad
+
+
+class FlatOptimizerShards:
+    """The buckets of ``layouts`` (this rank's parameters, in leaf order) over ``groups``:
+    tensors summed over the same data axes share buckets of ``bucket_numel`` elements (0:
+    one per axes), except those ``whole`` marks, which the caller all-reduces.
+    ``segments`` is what the update runs over: whole tensors first, in leaf order, then each
+    bucket's owned pieces."""
+
+    def __init__(self, groups: ProcessGroups, layouts: list[ParamLayout], whole: list[bool],
+                 bucket_numel: int = 0) -> None:
+        self.numels = [lay.local_numel("grad") for lay in layouts]
+        by_axes: dict[tuple[str, ...], list[int]] = {}
+        kept = []
+        for i, lay in enumerate(layouts):
+            axes = lay.replica_axes(groups.data_axes)
+            if axes and not whole[i]:
+                by_axes.setdefault(axes, []).append(i)
+            else:
+                kept.append(i)
+        self.buckets: list[FlatBucket] = []
+        for axes, idx in sorted(by_axes.items()):
+            world = groups.size(axes)
+            index = 0
+            for axis in axes:  # the group's order: its axes in physical order, the first slowest
+                index = index * groups.mesh.size(axis) + groups.coords[axis]
+            for bucket in collectives.buckets([self.numels[i] for i in idx], bucket_numel):
+                members = [idx[b] for b in bucket]
+                numels = [self.numels[i] for i in members]
+                segments, pad = owned_segments(members, numels, world, index)
+                self.buckets.append(FlatBucket(groups.group(axes), world, index, tuple(members), tuple(numels),
+                                               tuple(segments), pad))
+        self.segments: list[Segment] = [Segment(i, -1, self.numels[i]) for i in kept]
+        for b in self.buckets:
+            self.segments += b.segments
+        self.owners = [s.tensor for s in self.segments]
+
+    # -- gradients, parameters and moments as segments ---------------------------------
+    def views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each segment of per-parameter ``tensors`` (parameters: views, updated in place)."""
+        return [tensors[s.tensor] if s.whole else tensors[s.tensor].view(-1).narrow(0, s.start, s.length)
+                for s in self.segments]
+
+    def reduce_scatter(self, grads: list[torch.Tensor], reduce_dtype: torch.dtype | None = None
+                       ) -> list[torch.Tensor]:
+        """Per-parameter gradients -> the segments' summed gradients (whole tensors as given:
+        the caller has reduced them), one reduce-scatter per bucket."""
+        n_whole = len(self.segments) - sum(len(b.segments) for b in self.buckets)
+        out = [grads[s.tensor] for s in self.segments[:n_whole]]
+        for b in self.buckets:
+            dtype = reduce_dtype or grads[b.members[0]].dtype
+            parts = [grads[i].reshape(-1).to(dtype) for i in b.members]
+            padding = b.world * b.shard - sum(b.numels)
+            if padding:
+                parts.append(grads[b.members[0]].new_zeros(padding, dtype=dtype))
+            mine = collectives.reduce_scatter_flat(torch.cat(parts), b.group)
+            pieces = mine.split([s.length for s in b.segments] + [b.pad])
+            out += [p.to(grads[s.tensor].dtype) for p, s in zip(pieces, b.segments)]
+        return out
+
+    def all_gather(self, segments: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The segments of every rank gathered back into per-parameter tensors shaped as
+        ``like`` (for a bucket's members; the whole ones are the segments themselves)."""
+        out = list(like)
+        n_whole = len(self.segments) - sum(len(b.segments) for b in self.buckets)
+        for s, t in zip(self.segments[:n_whole], segments[:n_whole]):
+            out[s.tensor] = t
+        at = n_whole
+        for b in self.buckets:
+            mine = segments[at:at + len(b.segments)]
+            at += len(b.segments)
+            parts = [t.reshape(-1) for t in mine]
+            if b.pad:
+                parts.append(like[b.members[0]].new_zeros(b.pad))
+            full = collectives.all_gather_flat(torch.cat(parts), b.group)
+            for i, piece in zip(b.members, full[:sum(b.numels)].split(list(b.numels))):
+                out[i] = piece.view_as(like[i])
+        return out
+
+    def zeros(self, device: torch.device | str, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """Zero moments for every segment (``shapes``: the parameters' local shapes)."""
+        return [torch.zeros(shapes[s.tensor] if s.whole else (s.length,), device=device) for s in self.segments]
+
+    def numel(self) -> int:
+        """Elements of optimizer state per moment on this rank."""
+        return sum(s.length for s in self.segments)
