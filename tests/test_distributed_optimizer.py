@@ -1,4 +1,4 @@
-"""The distributed optimizer (ZeRO-1 over flat buffers, Megatron's layout): any data size
+"""The distributed optimizer (ZeRO-1/2 over flat buffers, Megatron's layout): any data size
 shards any model, training equals one device, each rank keeps 1/dp of the optimizer state,
 and checkpoints reshard between data sizes and to and from the per-dim layout."""
 
@@ -83,7 +83,9 @@ def test_dp3_on_a_hidden_size_it_does_not_divide_matches_one_device(dp3):
 def four_ranks(dp3):
     root, _ = dp3
     cases = {"dp4": ("dp=4", SMALL_MICRO, {}), "dp2_tp2": ("dp=2,tp=2", SMALL_MICRO, {}),
-             "dp2_pp2": ("dp=2,pp=2", SMALL_MICRO, {})}
+             "dp2_pp2": ("dp=2,pp=2", SMALL_MICRO, {}),
+             # ZeRO-2: each of a rank's 2 micro batches reduce-scattered, its segments accumulated
+             "dp2_tp2_zero2": ("dp=2,tp=2", SMALL_MICRO, {"zero": 2})}
     trained = run_ranks(4, "tests.distributed_optimizer_workers:train_and_save", cases, STEPS)[0]
     reshard = {"dp4_flat": ("dp=4", SMALL_MICRO, {}),
                "dp2_tp2_by_dim": ("dp=2,tp=2", SMALL_MICRO, {"distributed_optimizer": False})}
@@ -92,7 +94,7 @@ def four_ranks(dp3):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp4", "dp2_tp2", "dp2_pp2"])
+@pytest.mark.parametrize("name", ["dp4", "dp2_tp2", "dp2_pp2", "dp2_tp2_zero2"])
 def test_four_rank_layouts_match_one_device(four_ranks, name):
     trained, _ = four_ranks
     cfg = tiny_config(compile=False, extra=SMALL_MICRO)

@@ -110,6 +110,7 @@ class FlatOptimizerShards:
         for b in self.buckets:
             self.segments += b.segments
         self.owners = [s.tensor for s in self.segments]
+        self.n_whole = len(kept)  # the whole tensors' segments come first
 
     # -- gradients, parameters and moments as segments ---------------------------------
     def views(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -121,8 +122,7 @@ class FlatOptimizerShards:
                        ) -> list[torch.Tensor]:
         """Per-parameter gradients -> the segments' summed gradients (whole tensors as given:
         the caller has reduced them), one reduce-scatter per bucket."""
-        n_whole = len(self.segments) - sum(len(b.segments) for b in self.buckets)
-        out = [grads[s.tensor] for s in self.segments[:n_whole]]
+        out = [grads[s.tensor] for s in self.segments[:self.n_whole]]
         for b in self.buckets:
             dtype = reduce_dtype or grads[b.members[0]].dtype
             parts = [grads[i].reshape(-1).to(dtype) for i in b.members]
@@ -138,10 +138,9 @@ class FlatOptimizerShards:
         """The segments of every rank gathered back into per-parameter tensors shaped as
         ``like`` (for a bucket's members; the whole ones are the segments themselves)."""
         out = list(like)
-        n_whole = len(self.segments) - sum(len(b.segments) for b in self.buckets)
-        for s, t in zip(self.segments[:n_whole], segments[:n_whole]):
+        for s, t in zip(self.segments[:self.n_whole], segments[:self.n_whole]):
             out[s.tensor] = t
-        at = n_whole
+        at = self.n_whole
         for b in self.buckets:
             mine = segments[at:at + len(b.segments)]
             at += len(b.segments)
@@ -153,9 +152,9 @@ class FlatOptimizerShards:
                 out[i] = piece.view_as(like[i])
         return out
 
-    def zeros(self, device: torch.device | str, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        """Zero moments for every segment (``shapes``: the parameters' local shapes)."""
-        return [torch.zeros(shapes[s.tensor] if s.whole else (s.length,), device=device) for s in self.segments]
+    def shapes(self, param_shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+        """Each segment's shape (``param_shapes``: the parameters' local shapes)."""
+        return [param_shapes[s.tensor] if s.whole else (s.length,) for s in self.segments]
 
     def numel(self) -> int:
         """Elements of optimizer state per moment on this rank."""

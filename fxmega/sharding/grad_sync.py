@@ -30,12 +30,15 @@ class GradientSync:
     """The bucketed collectives for ``layouts`` (this rank's parameters, in leaf order) over
     ``groups``; ``bucket_numel`` elements per bucket (0: one tensor per bucket) and
     reductions in ``reduce_dtype``. ``flat``: the distributed optimizer's flat buckets for
-    the sums over replicas, except for the tensors ``whole`` marks (all-reduced)."""
+    the sums over replicas, except for the tensors ``whole`` marks (all-reduced); with
+    ``flat_grads`` (its ZeRO-2) they are reduce-scattered per micro batch and accumulated
+    as this rank's segments."""
 
     def __init__(self, groups: ProcessGroups, layouts: list[ParamLayout], bucket_numel: int = 0,
                  reduce_dtype: torch.dtype = torch.float32, flat: bool = False,
-                 whole: list[bool] | None = None) -> None:
+                 whole: list[bool] | None = None, flat_grads: bool = False) -> None:
         self.groups, self.layouts = groups, layouts
+        self.flat_grads = flat and flat_grads
         self.bucket_numel, self.reduce_dtype = bucket_numel, reduce_dtype
         extra = lambda lay, kind, base: tuple(a for a in lay.data_axes[kind] if a not in lay.data_axes[base])  # noqa
         data_axes = groups.data_axes
@@ -82,13 +85,27 @@ class GradientSync:
 
     def micro_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Per micro batch: reduce-scatter where gradients are sharded beyond the parameters
-        (ZeRO-2's dp). What stays is accumulated locally."""
+        (ZeRO-2's dp). What stays is accumulated locally (``accum_shapes``)."""
+        if self.flat_grads:  # the buckets' segments; the whole tensors wait for ``final_grads``
+            return self.flat.reduce_scatter(grads, self.reduce_dtype)
         return self._run(self._micro, grads, self.reduce_dtype)
+
+    def accum_shapes(self) -> list[tuple[int, ...]]:
+        """The shapes ``micro_grads`` returns, which the accumulation buffers take."""
+        shapes = [lay.local_shape("grad") for lay in self.layouts]
+        return self.flat.shapes(shapes) if self.flat_grads else shapes
 
     def final_grads(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """After the last micro batch: reduce-scatter onto the optimizer shards (ZeRO-1's dp)
         and all-reduce over the data axes that hold replicas (plain data parallelism)."""
         reduce = self.reduce_dtype
+        if self.flat_grads:  # the segments summed already; the whole tensors (first) all-reduced
+            whole = self.flat.segments[:self.flat.n_whole]
+            per_param: list = [None] * len(self.layouts)
+            for seg, g in zip(whole, grads):
+                per_param[seg.tensor] = g
+            per_param = self._run(self._replica, per_param, reduce)
+            return [per_param[seg.tensor] for seg in whole] + list(grads[len(whole):])
         grads = self._run(self._replica, self._run(self._scatter, grads, reduce), reduce)
         return grads if self.flat is None else self.flat.reduce_scatter(grads, reduce)
 
@@ -126,8 +143,7 @@ class GradientSync:
     def init_opt_moments(self, device: torch.device | str) -> list[torch.Tensor]:
         """One AdamW moment of this rank: zeros shaped as its optimizer views."""
         shapes = [lay.local_shape("opt") for lay in self.layouts]
-        return self.flat.zeros(device, shapes) if self.flat is not None else [torch.zeros(s, device=device)
-                                                                              for s in shapes]
+        return [torch.zeros(s, device=device) for s in (self.flat.shapes(shapes) if self.flat is not None else shapes)]
 
     def moments_by_param(self, moments: list[torch.Tensor]) -> list[torch.Tensor]:
         """A moment laid out per parameter in its ``opt`` layout (what checkpoints hold):

@@ -72,7 +72,7 @@ class Parallel:
                             if tp_mesh is not None or self.context is not None or exchanges else None)
         whole = [spec.sign_rate > 0 for spec in tree.leaves(specs)]  # updates that read the whole gradient
         self.grads = GradientSync(self.groups, self.shards.layouts, bucket_numel, self.reduce_dtype,
-                                  plan.strategy.flat, whole)
+                                  plan.strategy.flat, whole, flat_grads=plan.zero >= 2)
         # ZeRO-3 / FSDP: the groups parameters are gathered over (experts, split over ep, over fewer ranks)
         self._gathers = {axes: (axes, self.groups.size(axes), self.groups.group(axes))
                          for axes in (lay.data_axes["param"] for lay in self.shards.layouts) if axes}

@@ -176,8 +176,8 @@ class TrainStep:
     def _accumulation_buffers(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:
         if self._accum_buffers is None:
             if self.parallel is not None:
-                shapes = [lay.local_shape("grad") for lay in self.parallel.shards.layouts]
-                self._accum_buffers = [torch.zeros(s, device=p.device) for s, p in zip(shapes, flat)]
+                device = flat[0].device
+                self._accum_buffers = [torch.zeros(s, device=device) for s in self.parallel.grads.accum_shapes()]
             else:
                 self._accum_buffers = [torch.zeros_like(p, requires_grad=False) for p in flat]
         else:
