@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fxmega.cli.parser import config_from_args, parse_args
 from fxmega.config import ParallelConfig
 from fxmega.core.errors import ConfigError
 from fxmega.models import gpt
@@ -14,7 +15,7 @@ from fxmega.sharding.collectives import buckets
 from fxmega.sharding.flat_optimizer import owned_segments
 from fxmega.sharding.strategy import plan_from
 from fxmega.training.run import Run
-from tests.multirank import run_ranks
+from tests.multirank import ROOT, run_ranks
 from tests.parity import assert_matches_one_device, record, unpad
 from tests.sharding_workers import BUCKET, tiny_config
 
@@ -49,6 +50,13 @@ def test_any_data_size_shards_the_optimizer_state():
         n_tensors = len(_plan("1", zero=0, flat=False).params)
         # 1/dp of every tensor, rounded up per tensor (the estimate's bound on a bucket's padding)
         assert total / dp <= opt <= total / dp + 2 * 4 * n_tensors
+
+
+def test_megatron_flag_turns_it_on():
+    argv = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--mesh", "dp=3", "--zero", "1",
+            "--use-distributed-optimizer"]
+    cfg = config_from_args(parse_args(argv))
+    assert cfg.parallel.distributed_optimizer and plan_from(gpt.param_specs(cfg.model), cfg.parallel, gpt).strategy.flat
 
 
 @pytest.mark.parametrize("zero,mesh,match", [(0, "dp=2", "use --zero 1 or 2"), (3, "dp=2", "ZeRO-3"),

@@ -92,6 +92,9 @@ def test_fake_parallel_shards_match_the_plan():
     ("tiny_moe", ["parallel.mesh=tp=2", "parallel.sequence_parallel=true"]),  # the router's partial gradients
     ("tiny_moe", ["parallel.mesh=dp=4,ep=2", "parallel.zero=3"]),  # gathers: dense over dp x ep, experts over dp
     ("tiny_moe", ["parallel.mesh=fsdp=4,ep=2", "parallel.rules=fsdp"]),  # ... over fsdp x ep and fsdp
+    # the distributed optimizer: flat buckets reduce-scattered and gathered, dp=3 on embed 64
+    ("tiny_gpt", ["parallel.mesh=dp=3,tp=2", "parallel.zero=1", "parallel.distributed_optimizer=true"]),
+    ("tiny_moe", ["parallel.mesh=dp=2,ep=2", "parallel.zero=2", "parallel.distributed_optimizer=true"]),
 ])
 @pytest.mark.slow
 def test_estimated_collectives_equal_the_traced_step(name, sets):

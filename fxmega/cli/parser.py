@@ -105,6 +105,8 @@ GROUPS: dict[str, list[Flag]] = {
                "--pipeline-layout parallel.pipeline_layout --cp-attention parallel.cp_attention"),
         Flag("--sequence-parallel", "split the residual stream along the sequence over tp (Megatron's sequence "
              "parallelism)", switch="parallel.sequence_parallel=true"),
+        Flag("--use-distributed-optimizer", "ZeRO-1/2 over flat buffers, each data rank a contiguous range (any "
+             "data size shards any model; Megatron's flag)", switch="parallel.distributed_optimizer=true"),
     ],
     "validation": _keys("--eval-interval train.eval_interval --eval-iters train.eval_iters"),
     "data": [

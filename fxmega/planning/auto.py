@@ -109,6 +109,8 @@ class Candidate:
     cp: int = 1
     cp_attention: str = "allgather"
     ep: int = 1  # folded over the dp data ranks (does not add devices)
+    # ZeRO-1/2 as the distributed optimizer; None: the run did not ask for it (nothing to set)
+    flat: bool | None = None
     memory: int = 0  # peak bytes per device
     step_s: float = 0.0
     parts: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -127,7 +129,8 @@ class Candidate:
     def describe(self) -> str:
         pipe = f", {self.schedule}" + (f" v={self.virtual}" if self.virtual > 1 else "") if self.pp > 1 else ""
         context = f", cp {self.cp_attention}" if self.cp > 1 else ""
-        return f"{self.mesh}, zero {self.zero}, recompute {self.recompute}{pipe}{context}"
+        flat = ", distributed optimizer" if self.flat else ""
+        return f"{self.mesh}, zero {self.zero}{flat}, recompute {self.recompute}{pipe}{context}"
 
     def assignments(self) -> list[str]:
         out = [f"parallel.mesh={self.mesh}", f"parallel.zero={self.zero}", f"compute.recompute={self.recompute}",
@@ -136,6 +139,8 @@ class Candidate:
             out += [f"parallel.pipeline_schedule={self.schedule}", f"parallel.virtual_stages={self.virtual}"]
         if self.cp > 1:
             out.append(f"parallel.cp_attention={self.cp_attention}")
+        if self.flat is not None:  # asked for: on where it shards (zero 1, 2), off elsewhere
+            out.append(f"parallel.distributed_optimizer={'true' if self.flat else 'false'}")
         return out
 
 
@@ -158,6 +163,7 @@ def _ep_sizes(cfg: Any, dp: int) -> list[int]:
 
 def candidates(cfg: Any, devices: int, profile: DeviceProfile) -> list[Candidate]:
     out = []
+    flat = cfg.parallel.distributed_optimizer  # kept for the ZeRO stages it shards (1, 2)
     for cp in _cp_sizes(cfg, devices):
         for tp in _divisors(devices // cp):
             for pp in _divisors(devices // (cp * tp)):
@@ -170,7 +176,7 @@ def candidates(cfg: Any, devices: int, profile: DeviceProfile) -> list[Candidate
                             for schedule, virtual in schedules:
                                 for mode in CP_ATTENTION_CHOICES if cp > 1 else ("allgather",):
                                     out.append(Candidate(dp, tp, pp, zero, recompute, schedule, virtual, cp, mode,
-                                                         ep))
+                                                         ep, flat=zero in (1, 2) if flat else None))
     return out
 
 
@@ -186,7 +192,7 @@ def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int, plans:
         run_cfg = override(cfg, c.assignments())
         plans = {} if plans is None else plans
         # not the recompute mode nor the cp attention: the plan does not depend on them
-        key = (c.mesh, c.zero, c.schedule, c.virtual)
+        key = (c.mesh, c.zero, c.schedule, c.virtual, c.flat)
         model = model_for(run_cfg.model)
         if key not in plans:
             plans[key] = plan_from(model.param_specs(run_cfg.model), run_cfg.parallel, model)

@@ -11,7 +11,8 @@ divide each parameter's ``embed`` dim, which Megatron's own dp=48 layouts do not
 A rank's range of a bucket cuts across parameters, so it is held as *segments*: pieces
 ``(tensor, start, length)`` of the flattened local parameters. The update runs over the
 segments (views into the parameters), so a segment list stands where the per-tensor list
-stands in ``fxmega.training.update``; ``owners`` maps each segment to its parameter.
+stands in ``fxmega.training.update``; ``owners`` maps each segment to its parameter (a
+parameter lies in one bucket and a rank's range is contiguous: at most one segment each).
 Parameters that need their whole gradient (a ``sign_rate`` bias: its update compares every
 expert's load) and those with no replicas stay whole: one segment each, the tensor itself.
 """

@@ -273,9 +273,16 @@ def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: 
     scheduled("reduce_scatter", lambda p: extra(p, "grad", "param"), lambda p: p.local_numel("param"), n, reduce)
     # ZeRO-1: onto the optimizer's shards, once per step
     scheduled("reduce_scatter", lambda p: extra(p, "opt", "grad"), lambda p: p.local_numel("grad"), 1, reduce)
+    replicas = lambda p: p.replica_axes(tuple(a for a in DATA_AXES if mesh.size(a) > 1))  # noqa: E731
+    if plan.strategy.flat:
+        # the distributed optimizer: the replicas' sum reduce-scattered as flat buckets (per
+        # micro batch with ZeRO-2), the updated ranges all-gathered (the few tensors whose
+        # update reads them whole, MoE sign-rate biases, are all-reduced instead: not counted)
+        scheduled("reduce_scatter", replicas, lambda p: p.local_numel("grad"), n if plan.zero >= 2 else 1, reduce)
+        scheduled("all_gather", replicas, lambda p: p.local_numel("param"), 1, FP32)
+        return
     # replicas (plain data parallelism, HSDP's dp): all-reduced once per step
-    scheduled("all_reduce", lambda p: p.replica_axes(tuple(a for a in DATA_AXES if mesh.size(a) > 1)),
-              lambda p: p.local_numel("opt"), 1, reduce)
+    scheduled("all_reduce", replicas, lambda p: p.local_numel("opt"), 1, reduce)
     # ZeRO-1/2: the updated shards gathered back into every replica
     scheduled("all_gather", lambda p: extra(p, "opt", "param"), lambda p: p.local_numel("param"), 1, FP32)
 

@@ -72,7 +72,8 @@ class Update:
             if parallel is not None:
                 parallel.grads.refresh_params(flat, targets)
             bad = ~torch.isfinite(norms)
-            if len(owners) != len(flat) or owners != list(range(len(flat))):  # per parameter, from its pieces
-                index = torch.tensor(owners, device=bad.device)
-                bad = torch.zeros(len(flat), device=bad.device).index_add_(0, index, bad.float()) > 0
+            if owners != list(range(len(flat))):  # per parameter: its one segment here, or none
+                where = {i: k for k, i in enumerate(owners)}
+                none = bad.new_zeros(())
+                bad = torch.stack([bad[where[i]] if i in where else none for i in range(len(flat))])
         return [grad_norm, finite, bad]
