@@ -184,11 +184,14 @@ def resume(root: str, steps: int, parallel: dict | None = None, extra: tuple = (
 
 
 def precision_variants(steps: int) -> dict | None:
-    """bf16 on dp=2, eagerly: fp32 gradient reductions, bf16 ones, and ZeRO-3."""
+    """bf16 on dp=2, eagerly: fp32 gradient reductions, bf16 ones, ZeRO-3, and the
+    distributed optimizer's flat buckets reduce-scattered in bf16."""
     out = {}
     for name, parallel, extra in (("dp2", dict(mesh="dp=2"), ()),
                                   ("dp2_bf16_reduce", dict(mesh="dp=2"), ("compute.grad_reduce=bf16",)),
-                                  ("zero3", dict(mesh="dp=2", rules="zero3"), ())):
+                                  ("zero3", dict(mesh="dp=2", rules="zero3"), ()),
+                                  ("distopt_bf16_reduce", dict(mesh="dp=2", zero=1, distributed_optimizer=True),
+                                   ("compute.grad_reduce=bf16",))):
         cfg = tiny_config(parallel, compile=False, extra=("model.vocab_size=256", "compute.precision=bf16", *extra))
         par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
         run = Run(cfg, par, device)
