@@ -115,6 +115,9 @@ class ParallelConfig:
     # ZeRO-1/2 over flat per-bucket buffers, each data rank a contiguous slice of each (Megatron:
     # --use-distributed-optimizer): any data size shards any model; off: along each tensor's embed dim
     distributed_optimizer: bool = False
+    # inductor reorders collectives to overlap compute: each one issued once its inputs exist, its
+    # wait sunk to its first use (Megatron: --overlap-grad-reduce, --overlap-param-gather)
+    overlap_comm: bool = False
     zero3_regather: bool = True  # ZeRO-3: re-gather parameters in the backward instead of keeping them
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zero-bubble
     virtual_stages: int = 1  # stages per pp rank (interleaved schedules; Megatron: virtual pipeline size)
@@ -346,6 +349,10 @@ def _validate(cfg: RunConfig, dp: int | None) -> None:
     _require(p.zero in (-1, 0, 1, 2, 3), f"parallel.zero={p.zero}: use 0, 1, 2 or 3")
     _require(p.bucket_size >= 0, f"parallel.bucket_size={p.bucket_size} must be zero (one bucket) or positive")
     _require(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be positive")
+    _require(not p.overlap_comm or (t.compile and t.compile_backend == "inductor"),
+             f"parallel.overlap_comm=true needs inductor's scheduler (train.compile=true, train.compile_backend="
+             f"inductor); with compile={t.compile}, backend {t.compile_backend!r} the ops run in traced order: "
+             f"set parallel.overlap_comm=false or compile with inductor")
 
     _require(p.pipeline_schedule in PIPELINE_SCHEDULES,
              f"parallel.pipeline_schedule={p.pipeline_schedule!r}: use one of {', '.join(PIPELINE_SCHEDULES)}")

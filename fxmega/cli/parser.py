@@ -107,6 +107,9 @@ GROUPS: dict[str, list[Flag]] = {
              "parallelism)", switch="parallel.sequence_parallel=true"),
         Flag("--use-distributed-optimizer", "ZeRO-1/2 over flat buffers, each data rank a contiguous range (any "
              "data size shards any model; Megatron's flag)", switch="parallel.distributed_optimizer=true"),
+        Flag("--overlap-comm", "let inductor issue each collective as soon as its inputs exist and wait only where "
+             "its result is used (Megatron's --overlap-grad-reduce and --overlap-param-gather)",
+             switch="parallel.overlap_comm=true"),
     ],
     "validation": _keys("--eval-interval train.eval_interval --eval-iters train.eval_iters"),
     "data": [

@@ -111,6 +111,33 @@ _COLLECTIVE = re.compile(r"_c10d_functional\.(all_reduce_coalesced|all_reduce|re
                          r"all_to_all_single)\b")
 
 
+_ISSUED = re.compile(r"_c10d_functional\.(\w+?)_?\.default\((buf\d+)")
+_WAIT = re.compile(r"_c10d_functional\.wait_tensor\.default\((buf\d+)\)")
+_KERNEL = re.compile(r"^\s*(?:\w+ = )?(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+)(?:\.run)?\(", re.M)
+
+
+def kernels_before_waits(code: str) -> list[tuple[str, int]]:
+    """For each collective in one graph's generated code, in issue order: its op and how
+    many compute kernels (fused kernels, extern matmuls) run between its start and its
+    wait, which is the compute it can hide behind (0: exposed)."""
+    events = sorted([(m.start(), "kernel", "") for m in _KERNEL.finditer(code)]
+                    + [(m.start(), "issue", f"{m.group(1)}:{m.group(2)}") for m in _ISSUED.finditer(code)
+                       if m.group(1) != "wait_tensor"]
+                    + [(m.start(), "wait", m.group(1)) for m in _WAIT.finditer(code)])
+    open_, out = {}, []
+    for _, kind, what in events:
+        if kind == "issue":
+            op, buf = what.split(":")
+            open_[buf] = len(out)
+            out.append([op, 0])
+        elif kind == "wait":
+            open_.pop(what, None)
+        else:
+            for i in open_.values():
+                out[i][1] += 1
+    return [(op, n) for op, n in out]
+
+
 def collectives_in(code: str | list[str]) -> Counter:
     """Count the collective calls in inductor's generated code (one or several graphs)."""
     text = "\n".join(code) if isinstance(code, list) else code

@@ -25,6 +25,7 @@ from fxmega.models import family_name, loss_by_pieces, model_for
 from fxmega.models.registry import ModelFamily
 from fxmega.ops import aux_loss, kernels, recompute
 from fxmega.ops.init import init_params
+from fxmega.sharding import overlap
 from fxmega.sharding.runtime import Parallel
 from fxmega.storage import checkpoint, run_state
 from fxmega.training import faults
@@ -128,6 +129,8 @@ class Run:
         self._prefetcher: Prefetcher | None = None  # ``prefetch``: the next steps' input, built ahead
         zero3_regather = parallel is not None and parallel.gathers_params and parallel.regather
         options = recompute.inductor_options(cfg.compute.recompute != "none" or zero3_regather)
+        if cfg.parallel.overlap_comm:
+            options = {**(options or {}), **overlap.inductor_options()}
         if t.cuda_graphs:  # the state lives at fixed addresses, so the captured graphs update it in place
             options = {**(options or {}), "triton.cudagraphs": True}
             for tensor in [*tree.leaves(params), opt_state["step"], *opt_state["exp_avg"], *opt_state["exp_avg_sq"]]:

@@ -1,0 +1,30 @@
+"""Code that runs inside the ranks of tests/test_overlap.py (see multirank.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch._inductor.utils import run_and_get_code
+
+from fxmega.sharding import distributed
+from fxmega.sharding.collectives import kernels_before_waits
+from fxmega.sharding.mesh import MeshSpec
+from fxmega.training.run import Run
+from tests.sharding_workers import tiny_config
+
+
+def with_and_without(steps: int) -> dict | None:
+    """dp=2 tiny GPT compiled with inductor, overlap off and on: per collective of the step's
+    generated code, the kernels between its start and its wait, and the losses."""
+    out = {}
+    for on in (False, True):
+        cfg = tiny_config(dict(mesh="dp=2"))
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, overlap_comm=on))
+        par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
+        run = Run(cfg, par, device)
+        torch._dynamo.reset()
+        first, codes = run_and_get_code(run.do_step)
+        losses = [first["loss"]] + [run.do_step()["loss"] for _ in range(steps - 1)]
+        out[on] = {"hidden": [kernels_before_waits(code) for code in codes], "losses": losses}
+    return out if torch.distributed.get_rank() == 0 else None
