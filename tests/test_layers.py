@@ -26,7 +26,8 @@ LAYERS = {
                      "sharding.visualize",
     "distributed runtime": "sharding.groups sharding.ring_attention sharding.context sharding.activation_layouts "
                            "sharding.param_shards "
-                           "sharding.grad_sync sharding.zero3 sharding.runtime sharding.distributed",
+                           "sharding.flat_optimizer sharding.grad_sync sharding.overlap sharding.zero3 sharding.runtime "
+                           "sharding.distributed",
     "checkpoints and conversion": "storage storage.checkpoint_files storage.checkpoint storage.run_state "
                                   "storage.hf_files storage.hf_layout storage.hf_bert storage.convert "
                                   "storage.orbax_io",
