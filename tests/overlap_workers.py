@@ -14,12 +14,12 @@ from fxmega.training.run import Run
 from tests.sharding_workers import tiny_config
 
 
-def with_and_without(steps: int) -> dict | None:
-    """dp=2 tiny GPT compiled with inductor, overlap off and on: per collective of the step's
-    generated code, the kernels between its start and its wait, and the losses."""
+def with_and_without(steps: int, parallel: dict) -> dict | None:
+    """The tiny GPT on ``parallel`` compiled with inductor, overlap off and on: per collective
+    of the step's generated code, the kernels between its start and its wait, and the losses."""
     out = {}
     for on in (False, True):
-        cfg = tiny_config(dict(mesh="dp=2"))
+        cfg = tiny_config(parallel)
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, overlap_comm=on))
         par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
         run = Run(cfg, par, device)

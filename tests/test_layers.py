@@ -25,9 +25,8 @@ LAYERS = {
     "sharding plan": "sharding sharding.plan sharding.strategy sharding.estimate sharding.traffic "
                      "sharding.visualize",
     "distributed runtime": "sharding.groups sharding.ring_attention sharding.context sharding.activation_layouts "
-                           "sharding.param_shards "
-                           "sharding.flat_optimizer sharding.grad_sync sharding.overlap sharding.zero3 sharding.runtime "
-                           "sharding.distributed",
+                           "sharding.param_shards sharding.flat_optimizer sharding.grad_sync sharding.overlap "
+                           "sharding.zero3 sharding.runtime sharding.distributed",
     "checkpoints and conversion": "storage storage.checkpoint_files storage.checkpoint storage.run_state "
                                   "storage.hf_files storage.hf_layout storage.hf_bert storage.convert "
                                   "storage.orbax_io",
