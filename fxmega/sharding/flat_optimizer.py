@@ -61,12 +61,11 @@ def owned_segments(members: list[int], numels: list[int], world: int, index: int
 
 @dataclass(frozen=True)
 class FlatBucket:
-    """One flat buffer: the tensors ``members`` summed over ``group`` (``world`` ranks, this
-    one at ``index``), each rank owning ``segments`` and then ``pad`` zeros."""
+    """One flat buffer: the tensors ``members`` summed over ``group`` (``world`` ranks), this
+    rank owning ``segments`` and then ``pad`` zeros."""
 
     group: Group
     world: int
-    index: int
     members: tuple[int, ...]
     numels: tuple[int, ...]
     segments: tuple[Segment, ...]
@@ -105,7 +104,7 @@ class FlatOptimizerShards:
                 members = [idx[b] for b in bucket]
                 numels = [self.numels[i] for i in members]
                 segments, pad = owned_segments(members, numels, world, index)
-                self.buckets.append(FlatBucket(groups.group(axes), world, index, tuple(members), tuple(numels),
+                self.buckets.append(FlatBucket(groups.group(axes), world, tuple(members), tuple(numels),
                                                tuple(segments), pad))
         self.segments: list[Segment] = [Segment(i, -1, self.numels[i]) for i in kept]
         for b in self.buckets:
@@ -135,28 +134,22 @@ class FlatOptimizerShards:
             out += [p.to(grads[s.tensor].dtype) for p, s in zip(pieces, b.segments)]
         return out
 
-    def all_gather(self, segments: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The segments of every rank gathered back into per-parameter tensors shaped as
-        ``like`` (for a bucket's members; the whole ones are the segments themselves)."""
-        out = list(like)
-        for s, t in zip(self.segments[:self.n_whole], segments[:self.n_whole]):
-            out[s.tensor] = t
+    def all_gather(self, segments: list[torch.Tensor], shapes: list[tuple[int, ...]]) -> dict[int, torch.Tensor]:
+        """The segments of every rank gathered back into per-parameter tensors of local
+        ``shapes``: parameter index -> tensor (the whole ones are the segments themselves)."""
+        out = {s.tensor: t for s, t in zip(self.segments[:self.n_whole], segments[:self.n_whole])}
         at = self.n_whole
         for b in self.buckets:
             mine = segments[at:at + len(b.segments)]
             at += len(b.segments)
             parts = [t.reshape(-1) for t in mine]
-            if b.pad:
-                parts.append(like[b.members[0]].new_zeros(b.pad))
+            if b.pad:  # zeros like any segment (a rank owns at least one element of the model)
+                parts.append(segments[0].new_zeros(b.pad))
             full = collectives.all_gather_flat(torch.cat(parts), b.group)
             for i, piece in zip(b.members, full[:sum(b.numels)].split(list(b.numels))):
-                out[i] = piece.view_as(like[i])
+                out[i] = piece.view(shapes[i])
         return out
 
     def shapes(self, param_shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
         """Each segment's shape (``param_shapes``: the parameters' local shapes)."""
         return [param_shapes[s.tensor] if s.whole else (s.length,) for s in self.segments]
-
-    def numel(self) -> int:
-        """Elements of optimizer state per moment on this rank."""
-        return sum(s.length for s in self.segments)

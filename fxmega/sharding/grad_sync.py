@@ -130,7 +130,7 @@ class GradientSync:
     def refresh_params(self, flat: list[torch.Tensor], views: list[torch.Tensor]) -> None:
         """After a ZeRO-1/2 update: all-gather the updated shards back into every replica."""
         if self.flat is not None:
-            full = self.flat.all_gather(views, flat)
+            full = self.flat.all_gather(views, [p.shape for p in flat])
             for b in self.flat.buckets:
                 for i in b.members:
                     flat[i].copy_(full[i])
@@ -152,9 +152,9 @@ class GradientSync:
         non-distributed save gathers them)."""
         if self.flat is None:
             return moments
-        like = [torch.empty(lay.local_shape("opt"), device=moments[0].device) for lay in self.layouts]
+        full = self.flat.all_gather(moments, [lay.local_shape("opt") for lay in self.layouts])
         # plain tensors (a clone waits for the gathers), owned by the caller: checkpoints read them
-        return [t.clone() for t in self.flat.all_gather(moments, like)]
+        return [full[i].clone() for i in range(len(self.layouts))]
 
     def moments_from_params(self, by_param: list[torch.Tensor], moments: list[torch.Tensor]) -> None:
         """Copy a per-parameter moment (``moments_by_param``'s layout) into this rank's own."""
