@@ -17,8 +17,8 @@ LAYERS = {
                        "ops.kernels.triton_cross_entropy ops.rope ops.attention_blocks ops.layers ops.losses "
                        "ops.objectives ops.recompute ops.counter_random ops.init ops.routing ops.experts ops.aux_loss "
                        "ops.moe",
-    "models": "models models.bert models.gpt models.llama models.mixtral models.pieces models.registry models.census "
-              "models.checks models.classifier",
+    "models": "models models.bert models.gpt models.llama models.mixtral models.t5 models.pieces models.registry "
+              "models.census models.checks models.classifier",
     "data": "data data.batches data.blend data.classification data.corpus data.gpt_dataset data.indexed data.mlm "
             "data.preprocess data.sources data.tokenizer data.vocab_files data.prefetch",
     "config": "config",
@@ -28,7 +28,7 @@ LAYERS = {
                            "sharding.param_shards sharding.flat_optimizer sharding.grad_sync sharding.overlap "
                            "sharding.zero3 sharding.runtime sharding.distributed",
     "checkpoints and conversion": "storage storage.checkpoint_files storage.checkpoint storage.run_state "
-                                  "storage.hf_files storage.hf_layout storage.hf_bert storage.convert "
+                                  "storage.hf_files storage.hf_layout storage.hf_bert storage.hf_t5 storage.convert "
                                   "storage.orbax_io",
     "inference": "inference inference.model_loader inference.generate inference.generate_parallel",
     "training": "training training.optim training.update training.schedules training.metrics training.step "

@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from fxmega.models import bert, gpt, llama, mixtral, registry
+from fxmega.models import bert, gpt, llama, mixtral, registry, t5
 from fxmega.models.pieces import PieceCall, embed_inputs, head_inputs, run_pieces, top
 from fxmega.models.registry import ModelFamily
 from fxmega.ops import losses, recompute
 from fxmega.ops.objectives import Objective
 
-for _name, _family in (("gpt", gpt), ("llama", llama), ("bert", bert), ("mixtral", mixtral)):
+for _name, _family in (("gpt", gpt), ("llama", llama), ("bert", bert), ("mixtral", mixtral), ("t5", t5)):
     registry.register(_name, _family)
 
 

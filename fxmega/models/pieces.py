@@ -64,8 +64,10 @@ def run_pieces(model: ModelFamily, params: dict, layouts: dict, x: torch.Tensor,
     else:
         extra = () if valid is None else (valid,)
     lays = dict(blocks_of(layouts))
+    shared = getattr(model, "BLOCK_SHARED_PARAMS", ())  # top-level groups every block reads too
     for i, p in blocks:
-        x = call(model.block, p, lays[i], x, cfg, *extra, recompute=mode_for_block(mode, i, first_n))
+        p, lay = (p | top(shared, params), lays[i] | top(shared, layouts)) if shared else (p, lays[i])
+        x = call(model.block, p, lay, x, cfg, *extra, recompute=mode_for_block(mode, i, first_n))
     if head:
         x = call(model.head, top(model.HEAD_PARAMS, params), top(model.HEAD_PARAMS, layouts), x, cfg, *head_inputs)
     return x

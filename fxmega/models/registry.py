@@ -46,7 +46,8 @@ class ModelFamily(Protocol):
     (rotary tables, masks), built once per step and given to blocks as
     ``block(params, x, cfg, valid, attend)``; ``CONTEXT_PARALLEL = True`` when those honour
     each token's ``positions`` (and the embedding reads them), so that context parallelism may
-    hand it out-of-order chunks."""
+    hand it out-of-order chunks; ``BLOCK_SHARED_PARAMS``, top-level groups every block reads
+    besides its own (T5's relative position tables), given to each block in its tree."""
 
     Config: type
     EMBED_PARAMS: tuple[str, ...]
