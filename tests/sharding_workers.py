@@ -221,3 +221,24 @@ def bert_mlm(runs: dict[str, dict], steps: int) -> dict | None:
         out[name] = record(run, steps)
         out[name]["valid"] = run.evaluate()  # every rank takes part
     return out if torch.distributed.get_rank() == 0 else None
+
+
+# The tiny T5 with micro batches of 2: four per step on one data rank, two on each of two.
+T5_EXTRA = ("train.compile=false", "train.device=cpu", "train.micro_batch_size=2")
+
+
+def t5_config(parallel: dict | None = None, extra: tuple = ()):
+    cfg = override(load(ROOT / "configs" / "tiny_t5.py"), [*T5_EXTRA, *extra])
+    return cfg if parallel is None else dataclasses.replace(cfg, parallel=ParallelConfig(bucket_size=BUCKET,
+                                                                                         **parallel))
+
+
+def t5_span_corruption(runs: dict[str, tuple[dict, tuple]], steps: int) -> dict | None:
+    """Span-corruption steps of the tiny T5 on each mesh of ``runs`` (name -> (parallel
+    config, config overrides)), in one process group: per run its record (tests.parity)."""
+    out = {}
+    for name, (parallel, extra) in runs.items():
+        cfg = t5_config(parallel, extra)
+        par, device = distributed.setup(cfg, MeshSpec.parse(cfg.parallel.mesh))
+        out[name] = record(Run(cfg, par, device), steps)
+    return out if torch.distributed.get_rank() == 0 else None

@@ -8,6 +8,7 @@ validation); or Megatron-style indexed data — a prefix of ``.bin/.idx`` files,
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from fxmega.data.corpus import ensure_shakespeare
 from fxmega.data.gpt_dataset import GPTDataset, parse_split
 from fxmega.data.indexed import IndexedDataset, index_path
 from fxmega.data.mlm import MaskedLM, specials_for
+from fxmega.data.span_corruption import SpanCorruption, SpanSpecials, raw_length
 from fxmega.data.tokenizer import build_tokenizer
 
 
@@ -32,7 +34,11 @@ class Data:
 
 def build_data(cfg, objective: str = "causal-lm") -> Data:
     """The train and validation batches for ``cfg`` and an objective by name: a masked
-    LM (``masked-lm``) reads the same token sources, masked (``fxmega.data.mlm``)."""
+    LM (``masked-lm``) reads the same token sources, masked (``fxmega.data.mlm``); T5's
+    ``span-corruption`` reads longer windows of them, corrupted
+    (``fxmega.data.span_corruption``)."""
+    if objective == "span-corruption":
+        return _span_corruption(cfg)
     data = _token_data(cfg)
     if objective != "masked-lm":
         return data
@@ -44,6 +50,26 @@ def build_data(cfg, objective: str = "causal-lm") -> Data:
     train, valid = (MaskedLM(source, specials, vocab, t.seq_len, t.seed, split)
                     for source, split in ((train, "train"), (valid, "valid")))
     return Data(train, valid, data.tokenizer, data.description)
+
+
+def _span_corruption(cfg) -> Data:
+    t, m = cfg.train, cfg.model
+    if t.seq_len != m.encoder_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len}: for T5 it is the source length and must equal "
+                          f"model.encoder_seq_len={m.encoder_seq_len} (Megatron's --seq-length)")
+    specials = SpanSpecials(m.pad_id, m.eos_id, tuple(m.sentinel(k) for k in range(m.n_sentinels)))
+    raw = raw_length(m.encoder_seq_len, m.decoder_seq_len)
+    data = _token_data(dataclasses.replace(cfg, train=dataclasses.replace(t, seq_len=raw)))
+    train, valid = data.train, data.valid
+    if cfg.data.source == "mock":  # synthetic ids below the specials (which sit at the top of a mock vocabulary)
+        low = min(specials.pad, specials.eos, *specials.sentinels)
+        if low < 16:
+            raise ConfigError(f"mock data for T5 draws its ids below the specials, but model.pad_id / eos_id / the "
+                              f"sentinels start at {low}: put them at the top of the vocabulary (configs/tiny_t5.py)")
+        train, valid = (MockTokens(low, raw, t.seed, split) for split in ("train", "valid"))
+    train, valid = (SpanCorruption(source, specials, m.encoder_seq_len, m.decoder_seq_len, t.seed, split)
+                    for source, split in ((train, "train"), (valid, "valid")))
+    return Data(train, valid, data.tokenizer, f"{data.description}, span-corrupted ({raw}-token windows)")
 
 
 def _token_data(cfg) -> Data:
