@@ -187,9 +187,9 @@ def test_command_line_import_then_train_then_export(tmp_path, capsys):
 def test_conversion_errors(tmp_path):
     with pytest.raises(CheckpointError, match="has no config.json"):
         from_hf(tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    with pytest.raises(ConfigError, match="model_type 't5': fxmega converts gpt2, llama, mixtral, qwen2_moe, "
-                                          "qwen3_moe and bert"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bart"}))
+    with pytest.raises(ConfigError, match="model_type 'bart': fxmega converts gpt2, llama, mixtral, qwen2_moe, "
+                                          "qwen3_moe, bert and t5"):
         from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(CheckpointError, match="has no model.safetensors"):

@@ -31,7 +31,7 @@ LAYERS = {
     "checkpoints and conversion": "storage storage.checkpoint_files storage.checkpoint storage.run_state "
                                   "storage.hf_files storage.hf_layout storage.hf_bert storage.hf_t5 storage.convert "
                                   "storage.orbax_io",
-    "inference": "inference inference.model_loader inference.generate inference.generate_parallel",
+    "inference": "inference inference.model_loader inference.generate inference.seq2seq inference.generate_parallel",
     "training": "training training.optim training.update training.schedules training.metrics training.step "
                 "training.pipeline_step training.evaluate training.faults training.heartbeat training.logs "
                 "training.tracking training.state training.outcome training.run training.train training.finetune",

@@ -8,9 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from fxmega.cli import main
 from fxmega.config import load, override
 from fxmega.core.errors import ConfigError
 from fxmega.data.span_corruption import SpanSpecials, corrupt, lengths, noise_mask, raw_length, span_batch
+from fxmega.inference.generation_cli import load_generator
+from fxmega.inference.model_loader import recorded, recorded_config
+from fxmega.inference.seq2seq import generate_seq2seq
 from fxmega.models import t5
 from fxmega.training.run import Run
 from tests.multirank import ROOT, run_ranks
@@ -103,3 +107,28 @@ def test_t5_refuses_pipeline_and_context_parallelism():
         cfg = t5_config(dict(mesh=mesh))
         with pytest.raises(ConfigError, match=f"does not split over {mesh[:2]}"):
             t5.check_mesh(cfg, __import__("fxmega.sharding.mesh", fromlist=["MeshSpec"]).MeshSpec.parse(mesh))
+
+
+def test_train_then_generate_commands(tmp_path, capsys):
+    """run.py train saves a T5 checkpoint that describes itself; run.py generate --load it
+    alone prints each source's target, sentinels written as T5 writes them, the tokens the
+    library's greedy decoding gives."""
+    words = "the quick brown fox jumps over the lazy dog".split()
+    rng = np.random.default_rng(0)
+    (tmp_path / "corpus.txt").write_text(" ".join(rng.choice(words, 4000)))
+    ckpt = tmp_path / "ckpt"
+    assert main(["train", "--config", str(T5), "--data-path", str(tmp_path / "corpus.txt"), "--no-compile",
+                 "--steps", "6", "--save", str(ckpt)]) == 0
+    prompt = "the quick <extra_id_0> fox"
+    capsys.readouterr()
+    assert main(["generate", "--load", str(ckpt), "--prompt", prompt, "--temperature", "0",
+                 "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    run = load_generator(override(recorded_config(*recorded(str(ckpt))), [f"train.load_dir={ckpt}"]))
+    source = run.tokenizer.encode(prompt)
+    assert source[-5] == run.cfg.model.sentinel(0) and len(source) == len(prompt) - len("<extra_id_0>") + 1
+    ids = generate_seq2seq(t5, run.params, run.cfg.model, [source], 8)[0]
+    assert f"{prompt}\n=> {run.tokenizer.decode(ids)}\n" in out
+    # refused before any rank starts
+    assert main(["generate", "--load", str(ckpt), "--prompt", prompt, "--mesh", "tp=2"]) != 0
+    assert "encoder-decoder on one device; drop --mesh tp=2" in capsys.readouterr().err

@@ -24,8 +24,9 @@ from fxmega.cli.parser import config_from_args, flag, parse_args
 from fxmega.config import RunConfig, override
 from fxmega.core.errors import ConfigError, FxmegaError
 from fxmega.core.log import get_logger, set_level
-from fxmega.inference.generation_cli import generate_fn, generate_texts, load_generator
+from fxmega.inference.generation_cli import check_generator, generate_fn, generate_texts, load_generator
 from fxmega.inference.model_loader import load_model, recorded, recorded_config, recorded_tokenizer
+from fxmega.inference.seq2seq import is_encoder_decoder
 from fxmega.inference.serve import serve
 from fxmega.inference.serve_mesh import Leader, follow
 from fxmega.models import family_name, model_for
@@ -100,6 +101,8 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _from_checkpoint(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = checkpoint_config(args).validate(None)
+    if args.command in ("generate", "serve"):
+        check_generator(cfg)
     job = {"eval": _eval, "generate": lambda c, par, dev: _generate(c, par, dev, args),
            "serve": lambda c, par, dev: _serve(c, par, dev, args)}[args.command]
     return _on_mesh(cfg, argv, job)
@@ -214,8 +217,10 @@ def _generate(cfg: RunConfig, parallel: Parallel | None, device: torch.device | 
     texts = generate_texts(run, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                            args.stop, cfg.train.seed)
     if parallel is None or parallel.rank == 0:
+        # a decoder continues its prompt; an encoder-decoder's output follows its source
+        joint = "\n=> " if is_encoder_decoder(run.model) else ""
         for prompt, text in zip(args.prompt, texts):
-            print(f"{prompt}{text}\n" + "-" * 40, flush=True)
+            print(f"{prompt}{joint}{text}\n" + "-" * 40, flush=True)
 
 
 def _interrupt(signum: int, frame: Any) -> None:

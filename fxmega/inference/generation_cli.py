@@ -13,24 +13,43 @@ from fxmega.config import RunConfig
 from fxmega.core.errors import ConfigError
 from fxmega.inference.generate_parallel import generate_on_mesh
 from fxmega.inference.model_loader import LoadedModel, load_model
+from fxmega.inference.seq2seq import WithModelSpecials, generate_seq2seq, is_encoder_decoder
 from fxmega.inference.serve import cut_at_stop, stop_token_ids
 from fxmega.models import family_name, model_for
+from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.runtime import Parallel
+
+
+def check_generator(cfg: RunConfig) -> None:
+    """Refuse, before any process starts, a model generate/serve cannot run as configured."""
+    model = model_for(cfg.model)
+    if is_encoder_decoder(model):
+        if MeshSpec.parse(cfg.parallel.mesh).world_size > 1:
+            raise ConfigError(f"generate/serve run the {family_name(cfg.model)} encoder-decoder on one device; drop "
+                              f"--mesh {cfg.parallel.mesh}")
+    elif not hasattr(model, "kv_cache_shape"):
+        raise ConfigError(f"generate/serve need a decoder with a KV cache (gpt, llama, mixtral) or an "
+                          f"encoder-decoder (t5); the {family_name(cfg.model)} family is neither (BERT is an encoder)")
 
 
 def load_generator(cfg: RunConfig, parallel: Parallel | None = None,
                    device: torch.device | None = None) -> LoadedModel:
     """``--load``'s parameters (resharded onto the mesh) and the tokenizer, for generating:
     no optimizer state, no data."""
-    if not hasattr(model_for(cfg.model), "kv_cache_shape"):
-        raise ConfigError(f"generate/serve need a decoder with a KV cache (gpt or llama); the "
-                          f"{family_name(cfg.model)} family has none (BERT is an encoder)")
-    return load_model(cfg, parallel, device, command="generate/serve")
+    check_generator(cfg)
+    model = model_for(cfg.model)
+    run = load_model(cfg, parallel, device, command="generate/serve")
+    if is_encoder_decoder(model) and run.tokenizer is not None:
+        run.tokenizer = WithModelSpecials(run.tokenizer, cfg.model)  # a target may hold sentinels
+    return run
 
 
 def generate_fn(run: LoadedModel) -> Callable[..., list[list[int]]]:
     """``(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed) -> new ids``
-    for this run: cached generation on one device, or on the run's mesh."""
+    for this run: cached generation on one device, or on the run's mesh; for an
+    encoder-decoder each prompt is a source and the ids are its target."""
+    if is_encoder_decoder(run.model):
+        return functools.partial(generate_seq2seq, run.model, run.params, run.cfg.model)
     return functools.partial(generate_on_mesh, run)
 
 

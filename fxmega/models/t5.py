@@ -422,6 +422,14 @@ def forward(params: dict, tokens: torch.Tensor, decoder_inputs: torch.Tensor, cf
     return head(params, x, cfg)
 
 
+def example_batch(cfg: Config, batch: int, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """A batch of the shapes training feeds (zeros): for shape checks on the meta device."""
+    def zeros(n: int) -> torch.Tensor:
+        return torch.zeros(batch, n, dtype=torch.long, device=device)
+    return {"inputs": zeros(cfg.encoder_seq_len), "decoder_inputs": zeros(cfg.decoder_seq_len),
+            "targets": zeros(cfg.decoder_seq_len)}
+
+
 def shift_right(targets: torch.Tensor, cfg: Config) -> torch.Tensor:
     """The decoder's inputs for ``targets``: the start token (T5's pad), then the targets but the last."""
     start = torch.full_like(targets[:, :1], cfg.pad_id)

@@ -176,17 +176,42 @@ def plan_report(cfg: Any, budget: int | None = None, rank: int | None = None, ve
 
 
 def _collapse_blocks(lines: list[str], n_layers: int) -> list[str]:
-    """The sharding table with block 0's rows standing for every block (they are laid out
-    alike; the stage map says which pp rank holds which block)."""
-    out, said = [], False
-    for line in lines:
+    """The sharding table with the first block of each kind standing for the blocks laid out
+    alike (all of them in most models; T5's decoder blocks differ from its encoder's); the
+    stage map says which pp rank holds which block. ``n_layers`` is kept for the callers."""
+    def block(line: str) -> int | None:
         m = re.match(r"blocks\.(\d+)\.", line)
-        if m and m.group(1) != "0":
-            if not said and n_layers > 1:
-                out.append(f"blocks.1 .. blocks.{n_layers - 1}: laid out as blocks.0")
-                said = True
-            continue
-        out.append(line)
+        return None if m is None else int(m.group(1))
+
+    rows: dict[int, list[tuple[str, ...]]] = {}
+    for line in lines:
+        if block(line) is not None:
+            # the stage ("@ pp N") aside: the stage map says which pp rank holds which block
+            rows.setdefault(block(line), []).append(tuple(re.sub(r"^blocks\.\d+\.|@ pp \S+", "", line).split()))
+    first: dict[tuple, int] = {}
+    like = {i: first.setdefault(tuple(r), i) for i, r in sorted(rows.items())}
+    out: list[str] = []
+    run: list[int] = []  # [first, last, like] of blocks not shown
+
+    def flush() -> None:
+        if run:
+            a, b, j = run
+            out.append(f"blocks.{a} .. blocks.{b}: laid out as blocks.{j}" if b > a else
+                       f"blocks.{a}: laid out as blocks.{j}")
+            run.clear()
+
+    for line in lines:
+        i = block(line)
+        if i is None or like[i] == i:
+            if i is None or not run or run[1] < i:
+                flush()
+            out.append(line)
+        elif run and run[2] == like[i] and run[1] in (i, i - 1):
+            run[1] = i
+        else:
+            flush()
+            run.extend([i, i, like[i]])
+    flush()
     return out
 
 

@@ -7,6 +7,7 @@ import torch
 
 from fxmega.core import tree
 from fxmega.models import family_name, model_for, pieces
+from fxmega.ops import recompute
 from fxmega.ops.init import count_params, meta_params
 from fxmega.training.metrics import model_flops_per_token
 
@@ -16,12 +17,14 @@ def check_shapes(model_cfg: object, seq_len: int, batch: int = 1) -> tuple[int, 
     the logits shape."""
     model = model_for(model_cfg)
     params = meta_params(model.param_specs(model_cfg))
-    x = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
-    x = model.embed(pieces.top(model.EMBED_PARAMS, params), x, model_cfg)
-    for _, block in pieces.blocks_of(params):
-        x = model.block(block, x, model_cfg)
-    logits = model.head(pieces.top(model.HEAD_PARAMS, params), x, model_cfg)
-    expected = (batch, seq_len, model_cfg.vocab_size)
+    example = getattr(model, "example_batch", None)  # a family whose batches are more than tokens (T5)
+    if example is not None:
+        inputs = example(model_cfg, batch, "meta")
+    else:
+        inputs = {"inputs": torch.zeros(batch, seq_len, dtype=torch.long, device="meta")}
+    logits = pieces.run_pieces(model, params, params, inputs["inputs"], model_cfg, recompute.plain_call,
+                               inputs=pieces.embed_inputs(model, inputs))
+    expected = (batch, inputs.get("targets", inputs["inputs"]).shape[1], model_cfg.vocab_size)
     if tuple(logits.shape) != expected:
         raise AssertionError(f"forward returned logits of shape {tuple(logits.shape)}, expected {expected}")
     return tuple(logits.shape)

@@ -23,7 +23,7 @@ from fxmega.data.tokenizer import portable
 from fxmega.models import gpt, llama, mixtral
 from fxmega.ops.moe import MoE
 from fxmega.ops.rope import RopeScaling
-from fxmega.storage import checkpoint, hf_files, hf_layout
+from fxmega.storage import checkpoint, hf_files, hf_layout, hf_t5
 from fxmega.storage.checkpoint_files import digests
 from fxmega.storage.hf_bert import load_hf_dir
 
@@ -101,8 +101,8 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[str, gpt.Config | llama.Config]:
         return "mixtral", mixtral.Config(**_llama_fields(hf), moe=moe)
     if kind in ("qwen3_moe", "qwen2_moe"):
         return "mixtral", _qwen_moe_config(hf, kind)
-    raise ConfigError(f"Hugging Face model_type {kind!r}: fxmega converts gpt2, llama, mixtral, qwen2_moe, qwen3_moe "
-                      f"and bert")
+    raise ConfigError(f"Hugging Face model_type {kind!r}: fxmega converts gpt2, llama, mixtral, qwen2_moe, qwen3_moe, "
+                      f"bert and t5")
 
 
 def _qwen_moe_config(hf: dict[str, Any], kind: str) -> mixtral.Config:
@@ -269,13 +269,16 @@ def hf_kind(family: str, cfg: Any) -> str:
 
 def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[str, Any, dict]:
     """(family, Config, parameter tree) from a local Hugging Face model directory (GPT-2,
-    Llama, or BERT: ``fxmega.storage.hf_bert``)."""
+    Llama, Mixtral, Qwen MoE; BERT: ``fxmega.storage.hf_bert``; T5: ``fxmega.storage.hf_t5``)."""
     path = Path(path)
-    if hf_files.read_config(path, "give a Hugging Face model directory").get("model_type") == "bert":
-
+    hf = hf_files.read_config(path, "give a Hugging Face model directory")
+    if hf.get("model_type") == "bert":
         cfg, params = load_hf_dir(path, dtype)
         return "bert", cfg, params
-    hf = hf_files.read_config(path, "give a Hugging Face model directory")
+    if hf.get("model_type") == "t5":
+        cfg = hf_t5.config_from_hf(hf)
+        sd = {k: v.to(dtype) for k, v in _read_tensors(path).items()}
+        return "t5", cfg, hf_t5.t5_from_hf(sd, cfg)
     family, cfg = config_from_hf(hf)
     sd = {k: v.to(dtype) for k, v in _read_tensors(path).items()}
     try:
@@ -293,14 +296,24 @@ def to_hf(family: str, cfg: Any, params: dict, path: str | Path) -> Path:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     params = tree.map_leaves(lambda t: t.detach().cpu(), params)
-    _require(family in ("gpt", "llama", "mixtral"), f"model family {family!r}: fxmega exports gpt, llama and "
-                                                     f"mixtral (and bert's checkpoints are read, not written)")
-    sd = _LAYOUTS[hf_kind(family, cfg)][1](params, cfg)
-    if family == "gpt":
-        sd.pop("lm_head.weight")  # tied to wte: transformers re-ties it on load
-    dtype = next(iter(sd.values())).dtype
+    _require(family in ("gpt", "llama", "mixtral", "t5"), f"model family {family!r}: fxmega exports gpt, llama, "
+                                                           f"mixtral and t5 (and bert's checkpoints are read, not "
+                                                           f"written)")
+    if family == "t5":
+        sd = hf_t5.t5_to_hf(params, cfg)
+        # one copy of the shared embedding (safetensors refuses aliases): transformers ties the rest on load
+        for key in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
+            sd.pop(key)
+        if cfg.tie_embeddings:
+            sd.pop("lm_head.weight")
+        hf = hf_t5.config_to_hf(cfg, next(iter(sd.values())).dtype)
+    else:
+        sd = _LAYOUTS[hf_kind(family, cfg)][1](params, cfg)
+        if family == "gpt":
+            sd.pop("lm_head.weight")  # tied to wte: transformers re-ties it on load
+        hf = config_to_hf(family, cfg, next(iter(sd.values())).dtype)
     save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(config_to_hf(family, cfg, dtype), indent=2))
+    (path / "config.json").write_text(json.dumps(hf, indent=2))
     return path
 
 

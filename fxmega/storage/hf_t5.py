@@ -134,7 +134,8 @@ def config_from_hf(hf: dict[str, Any], encoder_seq_len: int = 512, decoder_seq_l
         pad_id=hf.get("pad_token_id", 0), eos_id=hf.get("eos_token_id", 1),
         # T5's SentencePiece vocabulary has <extra_id_0> .. <extra_id_99> at 32099 down to 32000
         # (the ids above pad the table); a vocabulary of another size: none known
-        n_sentinels=100 if hf.get("vocab_size", 32128) >= 32100 else 0, sentinel_start=32099)
+        **(dict(n_sentinels=100, sentinel_start=32099) if hf.get("vocab_size", 32128) >= 32100 else
+           dict(n_sentinels=0)))
     _require(hf.get("decoder_start_token_id", cfg.pad_id) == cfg.pad_id, "decoder_start_token_id",
              hf.get("decoder_start_token_id"), f"fxmega's T5 starts decoding with the pad token ({cfg.pad_id})")
     cfg.validate(prefix="t5 config")
