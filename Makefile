@@ -27,7 +27,7 @@ bench: $(STAMP)  ## benchmarks: print tables, compare against plain PyTorch
 	$(PY) bench/step.py
 
 lint: $(STAMP)
-	$(PY) -m ruff check fxmega tests bench run.py configs
+	$(PY) -m ruff check fxmega tests bench run.py configs examples
 
 clean:
 	rm -rf $(VENV) .cache runs

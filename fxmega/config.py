@@ -102,6 +102,14 @@ class DataConfig:
     valid_fraction: float = 0.05  # text sources: tail of the corpus held out for validation
     split: str = "949,50,1"  # indexed sources: train,valid,test weights over documents (Megatron: --split)
     cache_dir: str = ""  # sample-index cache; empty: DATA_DIR/index-cache (Megatron: --data-cache-path)
+    # pretrain: the objective's own data from the source (next tokens, masked tokens, spans);
+    # seq2seq: source -> target pairs (a .jsonl of {src, tgt}, or SRC.txt,TGT.txt) for an encoder-decoder;
+    # sft: conversations ({messages}, {prompt, response} or {src, tgt} lines), loss on the assistant's tokens
+    task: str = "pretrain"
+    valid_source: str = ""  # seq2seq/sft: the validation file; empty: data.valid_fraction of the source's, by hash
+
+
+DATA_TASKS = ("pretrain", "seq2seq", "sft")
 
 
 @dataclass(frozen=True)
@@ -342,6 +350,7 @@ def _validate(cfg: RunConfig, dp: int | None) -> None:
     _require(o.eps > 0, f"optim.eps={o.eps} must be positive")
     _require(o.weight_decay >= 0 and o.clip_grad >= 0, "optim.weight_decay and optim.clip_grad must not be negative")
     _require(0 < d.valid_fraction < 1, f"data.valid_fraction={d.valid_fraction} must be between 0 and 1")
+    _require(d.task in DATA_TASKS, f"data.task={d.task!r}: use one of {', '.join(DATA_TASKS)}")
 
     parse_split(d.split)  # raises ConfigError naming the value
     _validate_compute(cfg.compute)

@@ -20,7 +20,7 @@ LAYERS = {
     "models": "models models.bert models.gpt models.llama models.mixtral models.t5 models.pieces models.registry "
               "models.census models.checks models.classifier",
     "data": "data data.batches data.blend data.classification data.corpus data.gpt_dataset data.indexed data.mlm "
-            "data.span_corruption "
+            "data.span_corruption data.parallel_text data.po_catalogues data.instructions "
             "data.preprocess data.sources data.tokenizer data.vocab_files data.prefetch",
     "config": "config",
     "sharding plan": "sharding sharding.plan sharding.strategy sharding.estimate sharding.traffic "
@@ -31,11 +31,12 @@ LAYERS = {
     "checkpoints and conversion": "storage storage.checkpoint_files storage.checkpoint storage.run_state "
                                   "storage.hf_files storage.hf_layout storage.hf_bert storage.hf_t5 storage.convert "
                                   "storage.orbax_io",
-    "inference": "inference inference.model_loader inference.generate inference.seq2seq inference.generate_parallel",
+    "inference": "inference inference.model_loader inference.generate inference.seq2seq "
+                 "inference.generate_parallel",
     "training": "training training.optim training.update training.schedules training.metrics training.step "
                 "training.pipeline_step training.evaluate training.faults training.heartbeat training.logs "
                 "training.tracking training.state training.outcome training.run training.train training.finetune",
-    "serving": "inference.serve inference.serve_mesh inference.generation_cli",
+    "serving": "inference.serve inference.serve_mesh inference.generation_cli inference.translation_eval",
     "planning": "planning planning.fake planning.report planning.auto planning.summary",
     "command line": "cli cli.parser cli.commands",
 }

@@ -125,8 +125,8 @@ def test_train_then_generate_commands(tmp_path, capsys):
                  "--max-new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     run = load_generator(override(recorded_config(*recorded(str(ckpt))), [f"train.load_dir={ckpt}"]))
-    source = run.tokenizer.encode(prompt)
-    assert source[-5] == run.cfg.model.sentinel(0) and len(source) == len(prompt) - len("<extra_id_0>") + 1
+    source = run.tokenizer.encode(prompt) + [run.cfg.model.eos_id]  # sources end in EOS, as in training
+    assert source[-6] == run.cfg.model.sentinel(0) and len(source) == len(prompt) - len("<extra_id_0>") + 2
     ids = generate_seq2seq(t5, run.params, run.cfg.model, [source], 8)[0]
     assert f"{prompt}\n=> {run.tokenizer.decode(ids)}\n" in out
     # refused before any rank starts

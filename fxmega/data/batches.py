@@ -121,3 +121,14 @@ class SampleBatches:
                             f"the data was tokenized with a larger vocabulary than the model's; match "
                             f"data.tokenizer to the data, or raise model.vocab_size")
         return _as_batch(windows)
+
+
+def epoch_rows(n: int, step: int, batch_size: int, seed: int, stream: int) -> list[int]:
+    """The sample indices of step ``step``'s global batch over ``n`` samples: each epoch visits
+    every sample once, in an order drawn from ``(seed, stream, epoch)``."""
+    start, rows = step * batch_size, []
+    while len(rows) < batch_size:
+        epoch, offset = divmod(start + len(rows), n)
+        order = np.random.default_rng([seed, stream, epoch]).permutation(n)
+        rows += order[offset:offset + batch_size - len(rows)].tolist()
+    return rows

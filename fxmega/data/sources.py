@@ -9,6 +9,7 @@ validation); or Megatron-style indexed data — a prefix of ``.bin/.idx`` files,
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,9 @@ from fxmega.data.blend import BlendedDataset, blend_counts, parse_data_path
 from fxmega.data.corpus import ensure_shakespeare
 from fxmega.data.gpt_dataset import GPTDataset, parse_split
 from fxmega.data.indexed import IndexedDataset, index_path
+from fxmega.data.instructions import InstructionBatches, read_conversations, render
 from fxmega.data.mlm import MaskedLM, specials_for
+from fxmega.data.parallel_text import PairBatches, encode_pairs, hash_fraction, read_pairs
 from fxmega.data.span_corruption import SpanCorruption, SpanSpecials, raw_length
 from fxmega.data.tokenizer import build_tokenizer
 
@@ -37,6 +40,10 @@ def build_data(cfg, objective: str = "causal-lm") -> Data:
     LM (``masked-lm``) reads the same token sources, masked (``fxmega.data.mlm``); T5's
     ``span-corruption`` reads longer windows of them, corrupted
     (``fxmega.data.span_corruption``)."""
+    if cfg.data.task == "seq2seq":
+        return _pairs(cfg)
+    if cfg.data.task == "sft":
+        return _instructions(cfg)
     if objective == "span-corruption":
         return _span_corruption(cfg)
     data = _token_data(cfg)
@@ -50,6 +57,56 @@ def build_data(cfg, objective: str = "causal-lm") -> Data:
     train, valid = (MaskedLM(source, specials, vocab, t.seq_len, t.seed, split)
                     for source, split in ((train, "train"), (valid, "valid")))
     return Data(train, valid, data.tokenizer, data.description)
+
+
+def _pairs(cfg) -> Data:
+    d, t, m = cfg.data, cfg.train, cfg.model
+    if not hasattr(m, "encoder_seq_len"):
+        raise ConfigError(f"data.task=seq2seq trains an encoder-decoder (t5) on source -> target pairs; the model is "
+                          f"a {type(m).__module__.rsplit('.', 1)[-1]}")
+    if d.source in ("mock", "shakespeare"):
+        raise ConfigError(f"data.task=seq2seq reads pairs: give --data-path PAIRS.jsonl ({{\"src\", \"tgt\"}} lines) "
+                          f"or SRC.txt,TGT.txt, not {d.source!r}")
+    if t.seq_len != m.encoder_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len}: for T5 it is the source length and must equal "
+                          f"model.encoder_seq_len={m.encoder_seq_len} (Megatron's --seq-length)")
+    tokenizer = build_tokenizer(d.tokenizer, d.data_dir)
+    pairs = read_pairs(d.source)
+    if d.valid_source:
+        train, valid = pairs, read_pairs(d.valid_source)
+    else:
+        train, valid = _held_out(pairs, [src for src, _ in pairs], d.valid_fraction)
+    batches = (PairBatches(encode_pairs(p, tokenizer), m.encoder_seq_len, m.decoder_seq_len, m.pad_id, m.eos_id,
+                           t.seed, split) for p, split in ((train, "train"), (valid, "valid")))
+    return Data(*batches, tokenizer, f"{d.source} ({len(train):,} train and {len(valid):,} validation pairs, "
+                                     f"{tokenizer.name} tokens)")
+
+
+def _held_out(rows: list, keys: list[str], fraction: float) -> tuple[list, list]:
+    """``rows`` split into (train, valid): a fixed share by a hash of each row's key, the same
+    whatever the file's order."""
+    held = [hash_fraction(k) < fraction for k in keys]
+    return [r for r, h in zip(rows, held) if not h], [r for r, h in zip(rows, held) if h]
+
+
+def _instructions(cfg) -> Data:
+    d, t, m = cfg.data, cfg.train, cfg.model
+    if hasattr(m, "encoder_seq_len"):
+        raise ConfigError("data.task=sft trains a decoder-only model on conversations; for an encoder-decoder (t5) "
+                          "use data.task=seq2seq")
+    if d.source in ("mock", "shakespeare"):
+        raise ConfigError(f"data.task=sft reads conversations: give --data-path CHATS.jsonl ({{\"messages\"}}, "
+                          f"{{\"prompt\", \"response\"}} or {{\"src\", \"tgt\"}} lines), not {d.source!r}")
+    tokenizer = build_tokenizer(d.tokenizer, d.data_dir)
+    chats = read_conversations(d.source)
+    if d.valid_source:
+        train, valid = chats, read_conversations(d.valid_source)
+    else:
+        train, valid = _held_out(chats, [json.dumps(c) for c in chats], d.valid_fraction)
+    batches = (InstructionBatches([render(c, tokenizer) for c in rows], t.seq_len, t.seed, split)
+               for rows, split in ((train, "train"), (valid, "valid")))
+    return Data(*batches, tokenizer, f"{d.source} ({len(train):,} train and {len(valid):,} validation "
+                                     f"conversations, {tokenizer.name} tokens, loss on the assistant's)")
 
 
 def _span_corruption(cfg) -> Data:

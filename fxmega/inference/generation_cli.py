@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -13,7 +14,7 @@ from fxmega.config import RunConfig
 from fxmega.core.errors import ConfigError
 from fxmega.inference.generate_parallel import generate_on_mesh
 from fxmega.inference.model_loader import LoadedModel, load_model
-from fxmega.inference.seq2seq import WithModelSpecials, generate_seq2seq, is_encoder_decoder
+from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq, is_encoder_decoder
 from fxmega.inference.serve import cut_at_stop, stop_token_ids
 from fxmega.models import family_name, model_for
 from fxmega.sharding.mesh import MeshSpec
@@ -49,7 +50,11 @@ def generate_fn(run: LoadedModel) -> Callable[..., list[list[int]]]:
     for this run: cached generation on one device, or on the run's mesh; for an
     encoder-decoder each prompt is a source and the ids are its target."""
     if is_encoder_decoder(run.model):
-        return functools.partial(generate_seq2seq, run.model, run.params, run.cfg.model)
+        cfg = run.cfg.model
+
+        def seq2seq(sources: list[list[int]], *args: Any, **kwargs: Any) -> list[list[int]]:
+            return generate_seq2seq(run.model, run.params, cfg, ended(sources, cfg.eos_id), *args, **kwargs)
+        return seq2seq
     return functools.partial(generate_on_mesh, run)
 
 

@@ -32,6 +32,11 @@ def is_encoder_decoder(model: object) -> bool:
     return hasattr(model, "encode") and hasattr(model, "decode")
 
 
+def ended(sources: Sequence[Sequence[int]], eos: int) -> list[list[int]]:
+    """Each source ending in EOS, as sources are in training (T5's tokenizer adds it too)."""
+    return [list(s) if s and s[-1] == eos else [*s, eos] for s in sources]
+
+
 def check_request(cfg: Any, sources: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0) -> None:
     """Raise ``ValueError``, naming the value and the fix, for what cannot be generated."""

@@ -21,7 +21,7 @@ from fxmega.data.prefetch import Prefetcher
 from fxmega.data.sources import Data, build_data
 from fxmega.inference.generate import sample_text
 from fxmega.inference.generate_parallel import generate_on_mesh
-from fxmega.inference.seq2seq import WithModelSpecials, generate_seq2seq, is_encoder_decoder
+from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq, is_encoder_decoder
 from fxmega.models import family_name, loss_by_pieces, model_for
 from fxmega.models.registry import ModelFamily
 from fxmega.ops import aux_loss, kernels, recompute
@@ -280,8 +280,9 @@ class Run:
                 log.info(f"no sample: the {self.cfg.name} encoder-decoder generates on one device "
                          f"(run.py generate --load the checkpoint)")
                 return ""
-            ids = generate_seq2seq(self.model, self.params, self.cfg.model, [self.tokenizer.encode(prompt)], n_tokens,
-                                   temperature=0.8, top_k=40, seed=seed)[0]
+            source = ended([self.tokenizer.encode(prompt)], self.cfg.model.eos_id)
+            ids = generate_seq2seq(self.model, self.params, self.cfg.model, source, n_tokens, temperature=0.8,
+                                   top_k=40, seed=seed)[0]
             return f"{prompt}\n=> {WithModelSpecials(self.tokenizer, self.cfg.model).decode(ids)}"
         return sample_text(functools.partial(generate_on_mesh, self), self.cfg.model, self.tokenizer, prompt, n_tokens,
                            temperature=0.8, top_k=40, seed=seed)
