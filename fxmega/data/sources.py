@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,21 +72,21 @@ def _pairs(cfg) -> Data:
         raise ConfigError(f"train.seq_len={t.seq_len}: for T5 it is the source length and must equal "
                           f"model.encoder_seq_len={m.encoder_seq_len} (Megatron's --seq-length)")
     tokenizer = build_tokenizer(d.tokenizer, d.data_dir)
-    pairs = read_pairs(d.source)
-    if d.valid_source:
-        train, valid = pairs, read_pairs(d.valid_source)
-    else:
-        train, valid = _held_out(pairs, [src for src, _ in pairs], d.valid_fraction)
+    train, valid = _train_valid(d, read_pairs, lambda pair: pair[0])
     batches = (PairBatches(encode_pairs(p, tokenizer), m.encoder_seq_len, m.decoder_seq_len, m.pad_id, m.eos_id,
                            t.seed, split) for p, split in ((train, "train"), (valid, "valid")))
     return Data(*batches, tokenizer, f"{d.source} ({len(train):,} train and {len(valid):,} validation pairs, "
                                      f"{tokenizer.name} tokens)")
 
 
-def _held_out(rows: list, keys: list[str], fraction: float) -> tuple[list, list]:
-    """``rows`` split into (train, valid): a fixed share by a hash of each row's key, the same
-    whatever the file's order."""
-    held = [hash_fraction(k) < fraction for k in keys]
+def _train_valid(d, read: Callable[[str], list], key: Callable[[Any], str]) -> tuple[list, list]:
+    """The samples ``read`` gives of ``data.source`` and of ``data.valid_source``; without the
+    latter, ``data.valid_fraction`` of the source's held out by a hash of each sample's
+    ``key``, the same whatever the file's order."""
+    rows = read(d.source)
+    if d.valid_source:
+        return rows, read(d.valid_source)
+    held = [hash_fraction(key(r)) < d.valid_fraction for r in rows]
     return [r for r, h in zip(rows, held) if not h], [r for r, h in zip(rows, held) if h]
 
 
@@ -98,11 +99,7 @@ def _instructions(cfg) -> Data:
         raise ConfigError(f"data.task=sft reads conversations: give --data-path CHATS.jsonl ({{\"messages\"}}, "
                           f"{{\"prompt\", \"response\"}} or {{\"src\", \"tgt\"}} lines), not {d.source!r}")
     tokenizer = build_tokenizer(d.tokenizer, d.data_dir)
-    chats = read_conversations(d.source)
-    if d.valid_source:
-        train, valid = chats, read_conversations(d.valid_source)
-    else:
-        train, valid = _held_out(chats, [json.dumps(c) for c in chats], d.valid_fraction)
+    train, valid = _train_valid(d, read_conversations, json.dumps)
     batches = (InstructionBatches([render(c, tokenizer) for c in rows], t.seq_len, t.seed, split)
                for rows, split in ((train, "train"), (valid, "valid")))
     return Data(*batches, tokenizer, f"{d.source} ({len(train):,} train and {len(valid):,} validation "
