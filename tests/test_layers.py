@@ -32,7 +32,7 @@ LAYERS = {
                                   "storage.hf_files storage.hf_layout storage.hf_bert storage.hf_t5 storage.convert "
                                   "storage.orbax_io",
     "inference": "inference inference.model_loader inference.generate inference.seq2seq "
-                 "inference.generate_parallel",
+                 "inference.generate_parallel inference.code_exec",
     "training": "training training.optim training.update training.schedules training.metrics training.step "
                 "training.pipeline_step training.evaluate training.faults training.heartbeat training.logs "
                 "training.tracking training.state training.outcome training.run training.train training.finetune",
