@@ -20,7 +20,7 @@ LAYERS = {
     "models": "models models.bert models.gpt models.llama models.mixtral models.t5 models.pieces models.registry "
               "models.census models.checks models.classifier",
     "data": "data data.batches data.blend data.classification data.corpus data.gpt_dataset data.indexed data.mlm "
-            "data.span_corruption data.parallel_text data.po_catalogues data.instructions "
+            "data.span_corruption data.parallel_text data.po_catalogues data.instructions data.code_corpus "
             "data.preprocess data.sources data.tokenizer data.vocab_files data.prefetch",
     "config": "config",
     "sharding plan": "sharding sharding.plan sharding.strategy sharding.estimate sharding.traffic "
