@@ -35,12 +35,25 @@ def seq2seq_translator(model: Any, params: dict, cfg: Any, tokenizer: Any, max_n
 
 def chat_translator(run: LoadedModel, max_new_tokens: int, batch_size: int = 32) -> Translator:
     """Greedy answers of a decoder-only model to each source as the user's message (the chat
-    template of ``fxmega.data.instructions``), cut at the template's end of message."""
+    template of ``fxmega.data.instructions``), cut at the template's end of message. The
+    prompt and the answer share the model's context: a prompt longer than half of it has its
+    source cut (as training cuts samples), and each batch generates at most what is left."""
+    tok, limit = run.tokenizer, run.cfg.model.max_seq_len
+
+    def prompt(source: str) -> str:
+        text = prompt_text([{"role": "user", "content": source}])
+        over = len(tok.encode(text)) - limit // 2
+        if over > 0:
+            ids = tok.encode(source)
+            text = prompt_text([{"role": "user", "content": tok.decode(ids[:max(len(ids) - over, 1)])}])
+        return text
+
     def translate(sources: Sequence[str]) -> list[str]:
         out: list[str] = []
         for i in range(0, len(sources), batch_size):
-            prompts = [prompt_text([{"role": "user", "content": s}]) for s in sources[i:i + batch_size]]
-            out += generate_texts(run, prompts, max_new_tokens, 0.0, 0, 1.0, [END], 0)
+            prompts = [prompt(s) for s in sources[i:i + batch_size]]
+            room = limit - max(len(tok.encode(p)) for p in prompts)
+            out += generate_texts(run, prompts, min(max_new_tokens, room), 0.0, 0, 1.0, [END], 0)
         return out
     return translate
 
