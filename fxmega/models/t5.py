@@ -31,9 +31,10 @@ import torch.nn.functional as F
 
 from fxmega.core.errors import ConfigError
 from fxmega.core.spec import ONES, ParamSpec, normal
-from fxmega.models import gpt
+from fxmega.models import gpt, registry
 from fxmega.models.checks import require_positive
-from fxmega.ops import layers, objectives
+from fxmega.models.pieces import run_pieces
+from fxmega.ops import layers, objectives, recompute
 from fxmega.sharding.layout import local, shard
 from fxmega.sharding.mesh import MeshSpec
 
@@ -267,9 +268,14 @@ def _heads(p: dict, x: torch.Tensor, name: str) -> torch.Tensor:
 
 
 def self_attention(p: dict, x: torch.Tensor, table: torch.Tensor, buckets: torch.Tensor,
-                   keys: torch.Tensor | None, causal: bool) -> torch.Tensor:
+                   keys: torch.Tensor | None, causal: bool, cache: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """The attention output, and the keys and values it read: ``x``'s, after ``cache``'s
+    (the positions before ``x`` when decoding)."""
     q, k, v = (_heads(p, x, w) for w in ("wq", "wk", "wv"))
-    return layers.project_from_heads(attend(q, k, v, table, buckets, keys, causal), p["wo"])
+    if cache is not None:
+        k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
+    return layers.project_from_heads(attend(q, k, v, table, buckets, keys, causal), p["wo"]), (k, v)
 
 
 def cross_attention(p: dict, x: torch.Tensor, memory_kv: tuple[torch.Tensor, torch.Tensor],
@@ -309,7 +315,7 @@ def _residual(x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
 def encoder_layer(p: dict, x: torch.Tensor, table: torch.Tensor, buckets: torch.Tensor,
                   source_keys: torch.Tensor | None, cfg: Config) -> torch.Tensor:
     """One encoder block on the source ``x [batch, src, embed]``."""
-    x = _residual(x, self_attention(p["attn"], norm(x, p["attn_norm"], cfg), table, buckets, source_keys, False))
+    x = _residual(x, self_attention(p["attn"], norm(x, p["attn_norm"], cfg), table, buckets, source_keys, False)[0])
     return _residual(x, feed_forward(p["mlp"], norm(x, p["mlp_norm"], cfg)))
 
 
@@ -320,17 +326,11 @@ def decoder_layer(p: dict, y: torch.Tensor, memory: tuple[torch.Tensor, torch.Te
     """One decoder block on the target ``y [batch, tgt, embed]``: causal self-attention,
     cross-attention over ``memory`` (the block's ``memory_kv``), feed-forward. With ``cache``
     (the keys and values of the targets before ``y``) it returns ``(y, extended cache)``."""
-    h = norm(y, p["attn_norm"], cfg)
-    if cache is None:
-        y = _residual(y, self_attention(p["attn"], h, table, buckets, None, True))
-    else:
-        q, k, v = (_heads(p["attn"], h, w) for w in ("wq", "wk", "wv"))
-        k, v = torch.cat([cache[0], k], dim=1), torch.cat([cache[1], v], dim=1)
-        cache = (k, v)
-        y = _residual(y, layers.project_from_heads(attend(q, k, v, table, buckets, None, True), p["attn"]["wo"]))
+    out, kv = self_attention(p["attn"], norm(y, p["attn_norm"], cfg), table, buckets, None, True, cache)
+    y = _residual(y, out)
     y = _residual(y, cross_attention(p["cross"], norm(y, p["cross_norm"], cfg), memory, source_keys))
     y = _residual(y, feed_forward(p["mlp"], norm(y, p["mlp_norm"], cfg)))
-    return y if cache is None else (y, cache)
+    return y if cache is None else (y, kv)
 
 
 # ---------------------------------------------------------------------------------------
@@ -414,12 +414,9 @@ def forward(params: dict, tokens: torch.Tensor, decoder_inputs: torch.Tensor, cf
             attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Logits ``[batch, tgt, vocab]`` for source ``tokens [batch, encoder_seq_len]`` and
     ``decoder_inputs [batch, tgt]``; ``attention_mask [batch, src + tgt]`` (1 for tokens) for
-    padded sources. The pieces in order, as every training path runs them."""
-    x = embed(params, tokens, cfg, decoder_inputs)
-    attend = attend_inputs(cfg, x.shape[1], x.device, attention_mask)
-    for p in params["blocks"]:
-        x = block(p | {"relative": params["relative"]}, x, cfg, attention_mask, attend)
-    return head(params, x, cfg)
+    padded sources. The forward by pieces every training path runs (``run_pieces``)."""
+    return run_pieces(registry.family_of(cfg), params, params, tokens, cfg, recompute.plain_call,
+                      inputs=(decoder_inputs,), valid=attention_mask)
 
 
 def example_batch(cfg: Config, batch: int, device: torch.device | str) -> dict[str, torch.Tensor]:
@@ -481,8 +478,8 @@ def decode(params: dict, tokens: torch.Tensor, memory: Memory, cfg: Config,
                                torch.arange(past + new, device=tokens.device), False, cfg.relative_buckets,
                                cfg.relative_max_distance)
     out = []
+    empty = torch.zeros(y.shape[0], 0, cfg.n_heads, cfg.d_kv, dtype=y.dtype, device=y.device)
     for i, p in enumerate(decoder):
-        empty = torch.zeros(y.shape[0], 0, cfg.n_heads, cfg.d_kv, dtype=y.dtype, device=y.device)
         y, kv = decoder_layer(p, y, memory.kv[i], params["relative"]["decoder"], buckets, memory.source_keys, cfg,
                               cache=(empty, empty) if cache is None else cache[i])
         out.append(kv)
