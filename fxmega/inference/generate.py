@@ -106,11 +106,8 @@ def sample_rows(logits: torch.Tensor, temperature: float, top_k: int, generators
     return torch.cat([sample_next(logits[i:i + 1], temperature, top_k, g, top_p) for i, g in enumerate(generators)])
 
 
-def check_request(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
-                  top_k: int = 0, top_p: float = 1.0) -> None:
-    """Raise ``ValueError``, naming the numbers and the fix, for a request the cached generator
-    cannot serve: an empty or out-of-vocabulary prompt, bad sampling settings, or a prompt
-    that with ``max_new_tokens`` does not fit in ``cfg.max_seq_len``."""
+def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: float) -> None:
+    """Raise ``ValueError``, naming the value and the fix, for settings no generator can use."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be 0 or more")
     if temperature < 0:
@@ -119,6 +116,23 @@ def check_request(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: in
         raise ValueError(f"top_k={top_k} must be 0 (no limit) or more")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p} must be in (0, 1]; 1 keeps every token")
+
+
+def cut_at_stops(steps: Sequence[torch.Tensor], stops: set[int]) -> list[list[int]]:
+    """Each row of the sampled ``steps`` (one ``[batch]`` tensor per step) up to its first
+    stop token, which is not kept."""
+    out = []
+    for row in torch.stack(list(steps), dim=1).tolist():
+        out.append(row[:next((i for i, t in enumerate(row) if t in stops), len(row))])
+    return out
+
+
+def check_request(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+                  top_k: int = 0, top_p: float = 1.0) -> None:
+    """Raise ``ValueError``, naming the numbers and the fix, for a request the cached generator
+    cannot serve: an empty or out-of-vocabulary prompt, bad sampling settings, or a prompt
+    that with ``max_new_tokens`` does not fit in ``cfg.max_seq_len``."""
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
     limit = cfg.max_seq_len
     for i, prompt in enumerate(prompts):
         n = len(prompt)
@@ -176,12 +190,7 @@ def decode(decoder: Decoder, cfg: Any, prompts: Sequence[Sequence[int]], max_new
             break
         logits, cache = decoder.forward(nxt[:, None], cache, longest + step, pad, total, last_only=True)
 
-    stop_set = {int(t) for t in stop_tokens}
-    out = []
-    for row in torch.stack(steps, dim=1).tolist():
-        ended = next((i for i, t in enumerate(row) if t in stop_set), len(row))
-        out.append(row[:ended])
-    return out
+    return cut_at_stops(steps, {int(t) for t in stop_tokens})
 
 
 def generate_cached(model: Any, params: dict, cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,

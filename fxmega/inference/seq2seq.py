@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from fxmega.inference.generate import row_generators, sample_rows
+from fxmega.inference.generate import check_sampling, cut_at_stops, row_generators, sample_rows
 
 
 class EncoderDecoder(Protocol):
@@ -40,11 +40,7 @@ def ended(sources: Sequence[Sequence[int]], eos: int) -> list[list[int]]:
 def check_request(cfg: Any, sources: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0) -> None:
     """Raise ``ValueError``, naming the value and the fix, for what cannot be generated."""
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be 0 or more")
-    if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"temperature={temperature}, top_k={top_k}, top_p={top_p}: use temperature >= 0 (0: greedy), "
-                         f"top_k >= 0 (0: no limit) and top_p in (0, 1]")
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
     for i, source in enumerate(sources):
         if not source:
             raise ValueError(f"source {i} is empty: give at least one token to translate or continue")
@@ -80,11 +76,7 @@ def generate_seq2seq(model: EncoderDecoder, params: dict, cfg: Any, sources: Seq
         done = done | torch.isin(nxt, stop_ids)
         if bool(done.all()):
             break
-    out = []
-    for row in torch.stack(steps, dim=1).tolist():
-        out.append(row[:next((i for i, t in enumerate(row) if t in stop), len(row))])
-    return out
-
+    return cut_at_stops(steps, stop)
 
 
 class WithModelSpecials:

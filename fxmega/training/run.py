@@ -280,9 +280,10 @@ class Run:
                 log.info(f"no sample: the {self.cfg.name} encoder-decoder generates on one device "
                          f"(run.py generate --load the checkpoint)")
                 return ""
-            source = ended([self.tokenizer.encode(prompt)], self.cfg.model.eos_id)
+            tok = WithModelSpecials(self.tokenizer, self.cfg.model)  # the prompt may hold sentinels
+            source = ended([tok.encode(prompt)], self.cfg.model.eos_id)
             ids = generate_seq2seq(self.model, self.params, self.cfg.model, source, n_tokens, temperature=0.8,
                                    top_k=40, seed=seed)[0]
-            return f"{prompt}\n=> {WithModelSpecials(self.tokenizer, self.cfg.model).decode(ids)}"
+            return f"{prompt}\n=> {tok.decode(ids)}"
         return sample_text(functools.partial(generate_on_mesh, self), self.cfg.model, self.tokenizer, prompt, n_tokens,
                            temperature=0.8, top_k=40, seed=seed)
