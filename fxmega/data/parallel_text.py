@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +71,17 @@ def fit(ids: list[int], length: int, eos: int) -> list[int]:
     return ids[:length - 1] + [eos]
 
 
-def seq2seq_batch(pairs: list[tuple[list[int], list[int]]], encoder_seq_len: int, decoder_seq_len: int, pad: int,
-                  eos: int) -> dict[str, torch.Tensor]:
-    """The encoder–decoder batch of token pairs (``fxmega.data.span_corruption`` has the keys)."""
+def stream_batch(pairs: list[tuple[Sequence[int], Sequence[int]]], encoder_seq_len: int, decoder_seq_len: int,
+                 pad: int) -> dict[str, torch.Tensor]:
+    """The batch ``fxmega.models.t5``'s stream reads of (source, target) ids that fit their
+    lengths: ``inputs`` and ``targets`` right-padded, ``decoder_inputs`` (the targets shifted
+    right behind the start token, pad), ``loss_mask`` (the real targets) and ``attention_mask``
+    (the real tokens of source and target side by side)."""
     b = len(pairs)
     inputs = np.full((b, encoder_seq_len), pad, dtype=np.int64)
     targets = np.full((b, decoder_seq_len), pad, dtype=np.int64)
     real = np.zeros((b, encoder_seq_len + decoder_seq_len), dtype=np.int64)
     for i, (src, tgt) in enumerate(pairs):
-        src, tgt = fit(src, encoder_seq_len, eos), fit(tgt, decoder_seq_len, eos)
         inputs[i, :len(src)], targets[i, :len(tgt)] = src, tgt
         real[i, :len(src)] = 1
         real[i, encoder_seq_len:encoder_seq_len + len(tgt)] = 1
@@ -86,6 +89,13 @@ def seq2seq_batch(pairs: list[tuple[list[int], list[int]]], encoder_seq_len: int
     as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
     return {"inputs": as_tensor(inputs), "decoder_inputs": as_tensor(decoder_inputs), "targets": as_tensor(targets),
             "loss_mask": as_tensor(real[:, encoder_seq_len:]).float(), "attention_mask": as_tensor(real)}
+
+
+def seq2seq_batch(pairs: list[tuple[list[int], list[int]]], encoder_seq_len: int, decoder_seq_len: int, pad: int,
+                  eos: int) -> dict[str, torch.Tensor]:
+    """The encoder–decoder batch of token pairs, each side ended with EOS and cut to fit."""
+    return stream_batch([(fit(s, encoder_seq_len, eos), fit(t, decoder_seq_len, eos)) for s, t in pairs],
+                        encoder_seq_len, decoder_seq_len, pad)
 
 
 class PairBatches:

@@ -68,15 +68,19 @@ def _pairs(cfg) -> Data:
     if d.source in ("mock", "shakespeare"):
         raise ConfigError(f"data.task=seq2seq reads pairs: give --data-path PAIRS.jsonl ({{\"src\", \"tgt\"}} lines) "
                           f"or SRC.txt,TGT.txt, not {d.source!r}")
-    if t.seq_len != m.encoder_seq_len:
-        raise ConfigError(f"train.seq_len={t.seq_len}: for T5 it is the source length and must equal "
-                          f"model.encoder_seq_len={m.encoder_seq_len} (Megatron's --seq-length)")
+    _check_source_length(t, m)
     tokenizer = build_tokenizer(d.tokenizer, d.data_dir)
     train, valid = _train_valid(d, read_pairs, lambda pair: pair[0])
     batches = (PairBatches(encode_pairs(p, tokenizer), m.encoder_seq_len, m.decoder_seq_len, m.pad_id, m.eos_id,
                            t.seed, split) for p, split in ((train, "train"), (valid, "valid")))
     return Data(*batches, tokenizer, f"{d.source} ({len(train):,} train and {len(valid):,} validation pairs, "
                                      f"{tokenizer.name} tokens)")
+
+
+def _check_source_length(t, m) -> None:
+    if t.seq_len != m.encoder_seq_len:
+        raise ConfigError(f"train.seq_len={t.seq_len}: for T5 it is the source length and must equal "
+                          f"model.encoder_seq_len={m.encoder_seq_len} (Megatron's --seq-length)")
 
 
 def _train_valid(d, read: Callable[[str], list], key: Callable[[Any], str]) -> tuple[list, list]:
@@ -108,9 +112,7 @@ def _instructions(cfg) -> Data:
 
 def _span_corruption(cfg) -> Data:
     t, m = cfg.train, cfg.model
-    if t.seq_len != m.encoder_seq_len:
-        raise ConfigError(f"train.seq_len={t.seq_len}: for T5 it is the source length and must equal "
-                          f"model.encoder_seq_len={m.encoder_seq_len} (Megatron's --seq-length)")
+    _check_source_length(t, m)
     specials = SpanSpecials(m.pad_id, m.eos_id, tuple(m.sentinel(k) for k in range(m.n_sentinels)))
     raw = raw_length(m.encoder_seq_len, m.decoder_seq_len)
     data = _token_data(dataclasses.replace(cfg, train=dataclasses.replace(t, seq_len=raw)))

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from fxmega.core.errors import ConfigError, DataError
+from fxmega.data.parallel_text import stream_batch
 
 _SPLIT_IDS = {"train": 20, "valid": 21}  # distinct from the token sampling's and MLM's streams
 
@@ -96,19 +97,8 @@ def corrupt(tokens: np.ndarray, mask: np.ndarray, specials: SpanSpecials) -> tup
 def span_batch(windows: np.ndarray, rng: np.random.Generator, specials: SpanSpecials, encoder_seq_len: int,
                decoder_seq_len: int, noise_density: float = 0.15, mean_span: float = 3.0) -> dict[str, torch.Tensor]:
     """The T5 batch (see the module docstring) of ``windows [B, raw_len]``."""
-    b = windows.shape[0]
-    inputs = np.full((b, encoder_seq_len), specials.pad, dtype=np.int64)
-    targets = np.full((b, decoder_seq_len), specials.pad, dtype=np.int64)
-    real = np.zeros((b, encoder_seq_len + decoder_seq_len), dtype=np.int64)
-    for i, row in enumerate(windows):
-        source, target = corrupt(row, noise_mask(rng, len(row), noise_density, mean_span), specials)
-        inputs[i, :len(source)], targets[i, :len(target)] = source, target
-        real[i, :len(source)] = 1
-        real[i, encoder_seq_len:encoder_seq_len + len(target)] = 1
-    decoder_inputs = np.concatenate([np.full((b, 1), specials.pad), targets[:, :-1]], axis=1)
-    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-    return {"inputs": as_tensor(inputs), "decoder_inputs": as_tensor(decoder_inputs), "targets": as_tensor(targets),
-            "loss_mask": as_tensor(real[:, encoder_seq_len:]).float(), "attention_mask": as_tensor(real)}
+    pairs = [corrupt(row, noise_mask(rng, len(row), noise_density, mean_span), specials) for row in windows]
+    return stream_batch(pairs, encoder_seq_len, decoder_seq_len, specials.pad)
 
 
 class SpanCorruption:
