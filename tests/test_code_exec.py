@@ -56,6 +56,6 @@ def test_pass_at_k_is_the_closed_form():
     got = pass_at_k(samples, ks=(1, 2, 5, 10))
     want = {k: sum(1 - comb(5 - c, k) / comb(5, k) for c in (2, 0, 5)) / 3 for k in (1, 2, 5)}
     assert set(got) == {"pass@1", "pass@2", "pass@5"}  # k above the candidates per problem is left out
-    for k, value in want.items():
+    for k, value in want.items():  # a product of k float64 factors against exact fractions
         assert got[f"pass@{k}"] == pytest.approx(value, abs=1e-12)
     assert got["pass@1"] == pytest.approx((2 / 5 + 0 + 1) / 3)

@@ -17,6 +17,7 @@ from fxmega.models import t5
 from fxmega.ops import init
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.storage import convert, hf_t5
+from tests.tolerance import assert_within_rounding, forward_lengths
 
 VOCAB = 99
 
@@ -207,5 +208,5 @@ def test_exported_t5_loads_in_transformers(tmp_path, tied):
     with torch.no_grad():
         want = t5.forward(params, tokens, t5.shift_right(targets, cfg), cfg)
         got = hf(input_ids=tokens, labels=targets).logits
-    # float32 through 3 blocks of width <= 40 (the same sums in another order)
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    # float32, the same sums in another order: the rounding bound of the forward's reductions
+    assert_within_rounding(got, want, forward_lengths(cfg, tokens.shape[1] + targets.shape[1]), what="logits")

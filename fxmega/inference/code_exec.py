@@ -15,6 +15,7 @@ with user namespaces); where that is not possible ``run_candidate`` refuses unle
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import shutil
@@ -39,14 +40,16 @@ def program(problem: dict[str, Any], completion: str) -> str:
     return f"{problem['prompt']}{completion}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
 
 
-def _unshare() -> list[str] | None:
-    """The command prefix that puts a process in a new network namespace, if it works here."""
+@functools.cache
+def _unshare() -> tuple[str, ...] | None:
+    """The command prefix that puts a process in a new network namespace, if it works here
+    (probed once per process, not per candidate)."""
     exe = shutil.which("unshare")
     if exe is None:
         return None
     for prefix in ([exe, "--net"], [exe, "--net", "--map-root-user"]):
         if subprocess.run([*prefix, "true"], capture_output=True).returncode == 0:
-            return prefix
+            return tuple(prefix)
     return None
 
 
@@ -66,7 +69,7 @@ def run_candidate(problem: dict[str, Any], completion: str, timeout_s: float = 1
             raise ConfigError("cannot run generated code without network access here (unshare --net is not "
                               "permitted): run as root or with user namespaces, or pass isolate=False "
                               "(--no-isolate) to run it connected")
-        prefix = found
+        prefix = list(found)
     with tempfile.TemporaryDirectory(prefix="fxmega-code-") as scratch:
         path = os.path.join(scratch, "candidate.py")
         with open(path, "w", encoding="utf-8") as f:
