@@ -107,6 +107,8 @@ class DataConfig:
     # sft: conversations ({messages}, {prompt, response} or {src, tgt} lines), loss on the assistant's tokens
     task: str = "pretrain"
     valid_source: str = ""  # seq2seq/sft: the validation file; empty: data.valid_fraction of the source's, by hash
+    # sft: several conversations per row, attention and positions inside each (NeMo's packed SFT)
+    pack: bool = False
 
 
 DATA_TASKS = ("pretrain", "seq2seq", "sft")
@@ -351,6 +353,8 @@ def _validate(cfg: RunConfig, dp: int | None) -> None:
     _require(o.weight_decay >= 0 and o.clip_grad >= 0, "optim.weight_decay and optim.clip_grad must not be negative")
     _require(0 < d.valid_fraction < 1, f"data.valid_fraction={d.valid_fraction} must be between 0 and 1")
     _require(d.task in DATA_TASKS, f"data.task={d.task!r}: use one of {', '.join(DATA_TASKS)}")
+    _require(not d.pack or d.task == "sft", f"data.pack=true packs conversations (data.task=sft); data.task={d.task!r}"
+                                            f" batches are already full rows: set data.pack=false")
 
     parse_split(d.split)  # raises ConfigError naming the value
     _validate_compute(cfg.compute)

@@ -9,14 +9,20 @@ token where it has one; the assistant's content and its ``<|end|>`` carry the lo
 model learns to stop), nothing else does. A prompt for generation is the conversation so far
 followed by ``<|assistant|>\\n``; generation stops at ``<|end|>``.
 
-Samples are right-padded to ``seq_len + 1`` tokens (cut there) and shifted into inputs and
-targets, as Megatron's SFT dataset does without packing; ``attention_mask`` marks the real
-tokens, ``loss_mask`` the targets that are the assistant's. Batches are a pure function of
-(seed, split, step), each epoch visiting every sample once.
+Each sample is cut to ``seq_len + 1`` tokens and shifted into inputs and targets on its own.
+Unpacked, a row holds one sample, right-padded (Megatron's SFT dataset without packing).
+Packed, a row holds several (best-fit decreasing by length, once per split: NeMo's packed
+SFT), and attention stays inside each: ``attention_mask`` holds each token's document in its
+row (0 for padding, 1 throughout an unpacked row), from which the blocks build a
+block-diagonal causal mask, and ``positions`` restart at 0 in every document, so a packed
+sample is computed exactly as it would be alone. ``loss_mask`` marks the targets that are
+the assistant's. Batches are a pure function of (seed, split, step), each epoch visiting
+every row once.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 from pathlib import Path
 from typing import Any
@@ -96,29 +102,71 @@ def render(messages: list[dict[str, str]], tokenizer: Any) -> tuple[list[int], l
     return ids, mine
 
 
-def sft_batch(samples: list[tuple[list[int], list[int]]], seq_len: int, pad: int = 0) -> dict[str, torch.Tensor]:
+Sample = tuple[list[int], list[int]]  # a rendered conversation: token ids, 1 where the assistant's
+
+
+def _shifted_length(sample: Sample, seq_len: int) -> int:
+    return min(len(sample[0]), seq_len + 1) - 1
+
+
+def pack(samples: list[Sample], seq_len: int) -> list[list[int]]:
+    """The samples' indices grouped into rows of at most ``seq_len`` shifted tokens: best fit
+    decreasing (each sample, longest first, into the fullest row it still fits in), ties by
+    index, so the packing is a function of the samples alone."""
+    lengths = [_shifted_length(s, seq_len) for s in samples]
+    rows: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (room left, row), sorted: the fullest row that fits is a bisection away
+    for i in sorted(range(len(samples)), key=lambda i: (-lengths[i], i)):
+        at = bisect.bisect_left(free, (lengths[i], -1))
+        if at == len(free):
+            rows.append([i])
+            room, row = seq_len - lengths[i], len(rows) - 1
+        else:
+            room, row = free.pop(at)
+            rows[row].append(i)
+            room -= lengths[i]
+        bisect.insort(free, (room, row))
+    return rows
+
+
+def sft_batch(rows: list[list[Sample]], seq_len: int, pad: int = 0, packed: bool = False) -> dict[str, torch.Tensor]:
     """Inputs, targets, ``loss_mask`` (targets that are the assistant's) and ``attention_mask``
-    of rendered samples, each cut or right-padded to ``seq_len + 1`` tokens and shifted."""
-    b = len(samples)
-    tokens = np.full((b, seq_len + 1), pad, dtype=np.int64)
-    mine = np.zeros((b, seq_len + 1), dtype=np.float32)
-    real = np.zeros((b, seq_len + 1), dtype=np.int64)
-    for i, (ids, own) in enumerate(samples):
-        n = min(len(ids), seq_len + 1)
-        tokens[i, :n], mine[i, :n], real[i, :n] = ids[:n], own[:n], 1
-    as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
-    return {"inputs": as_tensor(tokens[:, :-1]), "targets": as_tensor(tokens[:, 1:]),
-            "loss_mask": as_tensor(mine[:, 1:] * real[:, 1:]), "attention_mask": as_tensor(real[:, :-1])}
+    (each token's document in its row, 0 for padding) of rows of samples, each sample cut to
+    ``seq_len + 1`` tokens and shifted; with ``packed``, each token's ``positions`` in its
+    document too (padding counts on from 0 as a document of its own, so that a document and
+    a position name each token of a row once)."""
+    b = len(rows)
+    inputs, targets = np.full((b, seq_len), pad, dtype=np.int64), np.full((b, seq_len), pad, dtype=np.int64)
+    mine = np.zeros((b, seq_len), dtype=np.float32)
+    documents, positions = np.zeros((b, seq_len), dtype=np.int64), np.zeros((b, seq_len), dtype=np.int64)
+    for r, row in enumerate(rows):
+        at = 0
+        for document, (ids, own) in enumerate(row, 1):
+            n = _shifted_length((ids, own), seq_len)
+            if at + n > seq_len:
+                raise DataError(f"row {r} holds {at + n} tokens, more than seq_len={seq_len}")
+            span = slice(at, at + n)
+            inputs[r, span], targets[r, span], mine[r, span] = ids[:n], ids[1:n + 1], own[1:n + 1]
+            documents[r, span], positions[r, span] = document, np.arange(n)
+            at += n
+        positions[r, at:] = np.arange(seq_len - at)
+    batch = {"inputs": inputs, "targets": targets, "loss_mask": mine, "attention_mask": documents}
+    if packed:
+        batch["positions"] = positions
+    return {k: torch.from_numpy(v) for k, v in batch.items()}
 
 
 class InstructionBatches:
-    """Global batches of rendered conversations, epoch after epoch in seeded orders."""
+    """Global batches of rendered conversations, one per row or packed (see the module
+    docstring), epoch after epoch in seeded orders."""
 
-    def __init__(self, samples: list[tuple[list[int], list[int]]], seq_len: int, seed: int, split: str) -> None:
+    def __init__(self, samples: list[Sample], seq_len: int, seed: int, split: str, packed: bool = False) -> None:
         if not samples:
             raise DataError(f"the {split} split holds no conversations")
-        self.samples, self.seq_len, self.seed, self.split = samples, seq_len, seed, split
+        self.seq_len, self.seed, self.split, self.packed = seq_len, seed, split, packed
+        groups = pack(samples, seq_len) if packed else [[i] for i in range(len(samples))]
+        self.rows = [[samples[i] for i in group] for group in groups]
 
     def global_batch(self, step: int, batch_size: int) -> dict[str, torch.Tensor]:
-        rows = epoch_rows(len(self.samples), step, batch_size, self.seed, _SPLIT_IDS[self.split])
-        return sft_batch([self.samples[i] for i in rows], self.seq_len)
+        rows = epoch_rows(len(self.rows), step, batch_size, self.seed, _SPLIT_IDS[self.split])
+        return sft_batch([self.rows[i] for i in rows], self.seq_len, packed=self.packed)

@@ -104,10 +104,11 @@ def _instructions(cfg) -> Data:
                           f"{{\"prompt\", \"response\"}} or {{\"src\", \"tgt\"}} lines), not {d.source!r}")
     tokenizer = build_tokenizer(d.tokenizer, d.data_dir)
     train, valid = _train_valid(d, read_conversations, json.dumps)
-    batches = (InstructionBatches([render(c, tokenizer) for c in rows], t.seq_len, t.seed, split)
+    batches = (InstructionBatches([render(c, tokenizer) for c in rows], t.seq_len, t.seed, split, d.pack)
                for rows, split in ((train, "train"), (valid, "valid")))
+    packed = ", packed with document masks" if d.pack else ""
     return Data(*batches, tokenizer, f"{d.source} ({len(train):,} train and {len(valid):,} validation "
-                                     f"conversations, {tokenizer.name} tokens, loss on the assistant's)")
+                                     f"conversations{packed}, {tokenizer.name} tokens, loss on the assistant's)")
 
 
 def _span_corruption(cfg) -> Data:

@@ -70,14 +70,25 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, q_doc: torch.Tensor, k_doc: torch.Tensor) -> torch.Tensor:
+    # [batch, queries, keys], True where a query may read a key: earlier or equal positions of
+    # its own document, real keys only (document 0 is padding). A padding query reads every
+    # earlier real key and itself (never an all-masked row, whose softmax would be NaN; its
+    # output is not used). Itself: the same position in the same document, since positions
+    # restart in each document of a packed row.
+    same = q_doc[:, :, None] == k_doc[:, None, :]
+    order = q_pos[:, :, None] >= k_pos[:, None, :]
+    readable = order & (k_doc[:, None, :] > 0) & (same | (q_doc[:, :, None] == 0))
+    return readable | (same & (q_pos[:, :, None] == k_pos[:, None, :]))
+
+
 def padded_causal_mask(valid: torch.Tensor) -> torch.Tensor:
-    """``[batch, 1, seq, seq]`` boolean mask (True: may attend): causal, and only to valid
-    (non-padding) keys. Each position may always attend to itself, so that a padding query
-    never has an all-masked row (whose softmax would be NaN); its output is not used."""
-    seq = valid.shape[-1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=valid.device).tril()
-    allowed = causal & valid[:, None, None, :].bool()
-    return allowed | torch.eye(seq, dtype=torch.bool, device=valid.device)
+    """``[batch, 1, seq, seq]`` boolean mask (True: may attend): causal, only to real keys,
+    and within each query's document. ``valid [batch, seq]``: 0 for padding, else the
+    token's document within its row (1 throughout an unpacked row). Each position may always
+    attend to itself, so that a padding query never has an all-masked row."""
+    order = torch.arange(valid.shape[-1], device=valid.device).expand(valid.shape)
+    return _allowed(order, order, valid, valid)[:, None]
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: object) -> torch.Tensor:
@@ -124,22 +135,24 @@ def _chunk_mask(context: Context | None, positions: torch.Tensor, valid: torch.T
     # Runs on local chunks: causality from the positions, not the order. Keys are the whole
     # sequence (gathered); queries this rank's chunks, or under a2a the whole sequence too.
     q_pos = k_pos = positions
+    q_doc = k_doc = valid
     if context is not None:
         k_pos = context.gather(positions)
-        valid = context.gather(valid) if valid is not None else None
-        q_pos = k_pos if context.mode == "a2a" else positions
-    mask = q_pos[:, :, None] >= k_pos[:, None, :]  # [batch, queries, keys]
-    if valid is not None:  # padding keys out; a padding query still reads itself (no NaN row)
-        mask = (mask & valid[:, None, :].bool()) | (q_pos[:, :, None] == k_pos[:, None, :])
-    return mask[:, None]
+        k_doc = context.gather(valid) if valid is not None else None
+        if context.mode == "a2a":
+            q_pos, q_doc = k_pos, k_doc
+    if valid is None:
+        return (q_pos[:, :, None] >= k_pos[:, None, :])[:, None]
+    return _allowed(q_pos, k_pos, q_doc, k_doc)[:, None]  # padding keys out, within each document
 
 
 def attend_inputs(seq_len: int, device: torch.device, rope: Rope | None = None, head_dim: int = 0,
                   valid: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> Attend:
     """The step's ``Attend`` for blocks over ``seq_len`` tokens (this rank's, under cp):
     rotary tables when ``rope`` is given (at ``positions``, or at 0..seq_len-1), and the mask
-    that padding (``valid [batch, seq]``, 1 for tokens) or out-of-order chunks
-    (``positions [batch, seq]``, each token's place in its sequence) need."""
+    that padding or packed documents (``valid [batch, seq]``: 0 for padding, else the token's
+    document in its row) or out-of-order chunks (``positions [batch, seq]``, each token's place
+    in its sequence; in a packed row, in its document) need."""
     if positions is None:
         rotary = None
         if rope is not None:  # a plain table, replicated by ``shard`` to meet split q and k
@@ -155,8 +168,8 @@ def attend_inputs(seq_len: int, device: torch.device, rope: Rope | None = None, 
         rotary = local(tables, (seq,), (None, "batch", "ctx", "head_dim"))(positions)
     if context is not None and context.mode == "ring":
         if valid is not None:
-            raise ConfigError("--cp-attention ring attends causally over whole chunks and does not mask padding: "
-                              "use --cp-attention allgather for padded batches")
+            raise ConfigError("--cp-attention ring attends causally over whole chunks and does not mask padding "
+                              "or packed documents: use --cp-attention allgather for padded or packed batches")
         return Attend(True, rotary, None)  # causality is the ring's head-tail structure: no mask
     given = (positions,) if valid is None else (positions, valid)
     mask = local(functools.partial(_chunk_mask, context), (seq,) * len(given), _MASK_AXES)(*given)

@@ -156,13 +156,14 @@ def _experts_where_they_live(buffers: torch.Tensor, w_gate: torch.Tensor, w_up: 
 
 
 def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """The MoE feed-forward layer on ``x [batch, seq, d]``; ``valid [batch, seq]`` (1 for a
-    token, 0 for padding) keeps padding out of the balancing terms. Under a training step's
+    """The MoE feed-forward layer on ``x [batch, seq, d]``; ``valid [batch, seq]`` (0 for
+    padding, else the token's document) keeps padding out of the balancing terms. Under a training step's
     ``aux_loss.gradient_scale`` the balancing terms join the gradient: per sequence,
     ``aux_loss_coeff x balancing + z_loss_coeff x z``, counted once per token of the sequence
     (so that with the main loss's ``1 / tokens`` it is their mean over sequences). An
     ``expert_bias`` shifts the selection, and receives the tokens per expert as its gradient."""
     b, s, d = x.shape
+    valid = None if valid is None else valid > 0  # a packed row's document ids count as tokens
     flat = x.reshape(b * s, d)
     bias = p.get("expert_bias")
     r = routing.route(flat, p["router"], moe, None if bias is None else bias.detach())

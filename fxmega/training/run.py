@@ -42,8 +42,8 @@ log = get_logger(__name__)
 
 
 def check_compute(cfg: RunConfig, parallel: Parallel | None, device: torch.device, model: ModelFamily) -> None:
-    """Refuse, before anything is built, the ``compute`` options this model and mesh cannot
-    honour (no silent fallback)."""
+    """Refuse, before anything is built, the ``compute`` options (and ``data.pack``) this model
+    and mesh cannot honour (no silent fallback)."""
     c, t = cfg.compute, cfg.train
     kernels.check_available(c.kernels, device)
     if t.cuda_graphs:
@@ -57,6 +57,10 @@ def check_compute(cfg: RunConfig, parallel: Parallel | None, device: torch.devic
             raise ConfigError(f"train.cuda_graphs=true is measured on one device only; this run is on a mesh of "
                               f"{parallel.groups.mesh.world_size} ranks (collectives inside captured graphs are not "
                               f"tested here): set train.cuda_graphs=false")
+    if cfg.data.pack and not getattr(model, "CONTEXT_PARALLEL", False):
+        raise ConfigError(f"data.pack=true restarts the positions in every packed conversation; the "
+                          f"{family_name(cfg.model)} model does not take a position per token (GPT, Llama and "
+                          f"Mixtral do): set data.pack=false")
     if c.loss_chunk and not (hasattr(model, "final_hidden") and hasattr(model, "output_weight")):
         raise ConfigError(f"compute.loss_chunk={c.loss_chunk}: the {family_name(cfg.model)} head is not a final norm "
                           f"and one output projection (final_hidden, output_weight), which the chunked loss "
