@@ -21,6 +21,7 @@ LAYERS = {
               "models.census models.checks models.classifier",
     "data": "data data.batches data.blend data.classification data.corpus data.gpt_dataset data.indexed data.mlm "
             "data.span_corruption data.parallel_text data.po_catalogues data.instructions data.code_corpus "
+            "data.doc_questions "
             "data.preprocess data.sources data.tokenizer data.vocab_files data.prefetch",
     "config": "config",
     "sharding plan": "sharding sharding.plan sharding.strategy sharding.estimate sharding.traffic "
@@ -36,7 +37,8 @@ LAYERS = {
     "training": "training training.optim training.update training.schedules training.metrics training.step "
                 "training.pipeline_step training.evaluate training.faults training.heartbeat training.logs "
                 "training.tracking training.state training.outcome training.run training.train training.finetune",
-    "serving": "inference.serve inference.serve_mesh inference.generation_cli inference.translation_eval",
+    "serving": "inference.serve inference.serve_mesh inference.generation_cli inference.chat inference.translation_eval "
+               "inference.qa_eval",
     "planning": "planning planning.fake planning.report planning.auto planning.summary",
     "command line": "cli cli.parser cli.commands",
 }

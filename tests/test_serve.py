@@ -11,6 +11,7 @@ from functools import partial
 import pytest
 
 from fxmega.config import load
+from fxmega.data.instructions import END, prompt_text
 from fxmega.data.tokenizer import ByteTokenizer
 from fxmega.inference.generate import generate_cached
 from fxmega.inference.serve import serve
@@ -99,6 +100,8 @@ def scripted(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, se
         raise RuntimeError("the device fell over")
     if prompts[0] == list(b"refuse"):
         raise ValueError("prompt 0 is refused by the generator")
+    if bytes(prompts[0]).endswith(b"<|assistant|>\n"):  # a chat: answer in the template, then go on
+        return [list(b"Paris.<|end|>\n<|user|>\nmore")[:max_new_tokens] for _ in prompts]
     out = []
     for _ in prompts:
         row = list(SCRIPT[:max_new_tokens])
@@ -173,8 +176,9 @@ def test_bad_requests_get_a_4xx_naming_the_field(server, body, status, param, wo
 
 
 def test_unknown_paths_and_wrong_methods(server):
-    status, out, _ = request(server, "/v1/chat/completions", {"prompt": "hi"})
-    assert status == 404 and "/v1/chat/completions" in out["error"]["message"]
+    status, out, _ = request(server, "/v1/embeddings", {"input": "hi"})
+    assert status == 404 and "/v1/embeddings" in out["error"]["message"]
+    assert "POST /v1/chat/completions" in out["error"]["message"]
     status, out, headers = request(server, "/v1/completions", method="GET")
     assert status == 405 and headers["Allow"] == "POST" and "use POST" in out["error"]["message"]
     status, out, headers = request(server, "/health", {"prompt": "hi"})
@@ -191,6 +195,49 @@ def test_unknown_paths_and_wrong_methods(server):
         assert reply.status == 411 and "Content-Length" in json.loads(reply.read())["error"]["message"]
     finally:
         conn.close()
+
+
+CHAT = [{"role": "system", "content": "Be."}, {"role": "user", "content": "Hi?"}]  # 56 tokens rendered
+
+
+def test_chat_completion_answers_in_the_assistants_turn(server, model):
+    """The conversation rendered with the chat template, completed, cut at the template's end
+    of message: the same text as /v1/completions of the rendered prompt with that stop."""
+    status, body, _ = request(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 8, "temperature": 0})
+    assert status == 200 and body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    plain = request(server, "/v1/completions", {"prompt": prompt_text(CHAT), "max_tokens": 8, "temperature": 0,
+                                                "stop": [END]})[1]
+    choice = plain["choices"][0]
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": choice["text"]},
+                                "logprobs": None, "finish_reason": choice["finish_reason"]}]
+    assert body["usage"] == plain["usage"] and body["usage"]["prompt_tokens"] == len(prompt_text(CHAT).encode())
+
+
+def test_chat_answer_stops_at_the_end_of_message(scripted_server):
+    ask = {"messages": CHAT, "max_completion_tokens": 30}
+    status, body, _ = request(scripted_server, "/v1/chat/completions", ask)
+    assert status == 200
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "Paris."}
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+CHAT_BAD = [
+    ({}, "messages", "messages must be a non-empty list"),
+    ({"messages": []}, "messages", "messages must be a non-empty list"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "messages", "messages[0] must be"),
+    ({"messages": [{"role": "user"}]}, "messages", "messages[0] must be"),
+    ({"prompt": "hi"}, "prompt", "a chat request sends messages"),
+    ({"messages": CHAT, "tools": [{"type": "function"}]}, "tools", "tools=[{"),
+    ({"messages": CHAT, "max_tokens": 4, "max_completion_tokens": 4}, "max_completion_tokens", "give one of them"),
+    ({"messages": CHAT, "max_completion_tokens": 17}, "max_tokens", "must be between 1 and 16"),
+    ({"messages": [{"role": "user", "content": "x" * 40}]}, "messages", "messages (with the chat template) is"),
+]
+
+
+@pytest.mark.parametrize("body,param,words", CHAT_BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(CHAT_BAD)])
+def test_bad_chat_requests_get_a_400_naming_the_field(server, body, param, words):
+    got, out, _ = request(server, "/v1/chat/completions", body)
+    assert got == 400 and out["error"]["param"] == param and words in out["error"]["message"]
 
 
 def test_a_stopped_server_refuses_connections():

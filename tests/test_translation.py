@@ -15,9 +15,10 @@ from fxmega.core.errors import ConfigError, DataError
 from fxmega.data.parallel_text import PairBatches, read_pairs, seq2seq_batch
 from fxmega.data.po_catalogues import pairs_from_po, split_of
 from fxmega.data.tokenizer import ByteTokenizer
+from fxmega.inference.chat import chat_answerer
 from fxmega.inference.model_loader import LoadedModel
 from fxmega.inference.seq2seq import WithModelSpecials
-from fxmega.inference.translation_eval import chat_translator, evaluate_translation, seq2seq_translator
+from fxmega.inference.translation_eval import evaluate_translation, seq2seq_translator
 from fxmega.models import model_for, t5
 from fxmega.ops import init
 from fxmega.training.run import Run
@@ -117,7 +118,7 @@ def test_evaluation_scores_are_sacrebleus():
     assert result["copy_bleu"] == sacrebleu.corpus_bleu([s for s, _ in pairs], refs).score
 
 
-def test_chat_translator_fits_prompt_and_answer_in_the_context():
+def test_chat_answerer_fits_prompt_and_answer_in_the_context():
     """A decoder-only translator answers sources of any length: a prompt longer than half the
     context has its source cut, and each batch generates only what is left of it."""
     cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), ["train.device=cpu"])  # max_seq_len 64
@@ -126,5 +127,5 @@ def test_chat_translator_fits_prompt_and_answer_in_the_context():
     run = LoadedModel(cfg, model, specs, specs, init.init_params(specs, seed=0), None, torch.device("cpu"),
                       ByteTokenizer())
     sources = ["short", "a source far longer than the whole context of this tiny model " * 3]
-    out = chat_translator(run, max_new_tokens=100)(sources)
+    out = chat_answerer(run, max_new_tokens=100)(sources)
     assert len(out) == 2 and all(isinstance(t, str) for t in out)

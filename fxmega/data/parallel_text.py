@@ -62,6 +62,13 @@ def hash_fraction(text: str) -> float:
     return int(hashlib.sha256(text.encode()).hexdigest()[:8], 16) / 2**32
 
 
+def split_by_hash(key: str, valid: float = 0.05, test: float = 0.05) -> str:
+    """``train``, ``valid`` or ``test`` for a sample, by ``hash_fraction`` of its ``key``: the
+    same split whatever the order of the samples or the machine."""
+    x = hash_fraction(key)
+    return "train" if x < 1 - valid - test else "valid" if x < 1 - test else "test"
+
+
 def encode_pairs(pairs: list[tuple[str, str]], tokenizer: Any) -> list[tuple[list[int], list[int]]]:
     return [(tokenizer.encode(s), tokenizer.encode(t)) for s, t in pairs]
 

@@ -1,10 +1,12 @@
 """A small HTTP completion server on the standard library (``http.server``, no dependencies).
 
-``POST /v1/completions`` takes and answers OpenAI's text-completion JSON; ``GET /health``
-says the server is up. The model is any ``generate_fn(prompts, max_new_tokens, temperature,
-top_k, top_p, stop_tokens, seed) -> new tokens per prompt``; for an fxmega model that is
-``functools.partial(generate_cached, model, params, cfg)``, which stops at a stop token without
-returning it (see ``fxmega.inference.generate``)::
+``POST /v1/completions`` takes and answers OpenAI's text-completion JSON, ``POST
+/v1/chat/completions`` OpenAI's chat JSON (the conversation rendered with fxmega's chat
+template, ``fxmega.data.instructions``, and answered in the assistant's turn up to the
+template's end of message); ``GET /health`` says the server is up. The model is any
+``generate_fn(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed) -> new
+tokens per prompt``; for an fxmega model that is ``functools.partial(generate_cached, model,
+params, cfg)``, which stops at a stop token without returning it (see ``fxmega.inference.generate``)::
 
     server = serve(partial(generate_cached, gpt, params, cfg), ByteTokenizer(), port=8000,
                    max_context=cfg.max_seq_len)
@@ -28,6 +30,7 @@ the device's memory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import secrets
@@ -41,6 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from fxmega.data.instructions import END, ROLES, prompt_text
 from fxmega.data.tokenizer import Tokenizer
 
 GenerateFn = Callable[..., list[list[int]]]
@@ -62,6 +66,9 @@ class Limits:
 # a request asking for them is refused rather than silently answered without them
 UNSUPPORTED = {"stream": (False,), "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (), "suffix": (),
                "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},)}
+# fields of OpenAI's chat API beyond the completion API's that this server does not implement
+CHAT_UNSUPPORTED = {"tools": (), "tool_choice": (), "functions": (), "function_call": (), "response_format": (),
+                    "logprobs": (False,), "top_logprobs": (), "stream_options": ()}
 # a body this much over the limit is still read (and dropped) before answering 413, so the
 # client sees the answer rather than a connection reset; beyond it the connection is just closed
 DRAIN_FACTOR = 16
@@ -90,6 +97,7 @@ class Completion:
     top_k: int
     stop: list[str]
     seed: int
+    source: str = "prompt"  # the field the prompt came from, for errors about its length
 
 
 def parse_request(body: Any, limits: Limits) -> Completion:
@@ -127,6 +135,49 @@ def parse_request(body: Any, limits: Limits) -> Completion:
     seed = _integer(body, "seed", None, 0, 2**63 - 1)
     return Completion(prompts, max_tokens, temperature, top_p, top_k, _stops(body, limits),
                       secrets.randbits(63) if seed is None else seed)
+
+
+def parse_chat_request(body: Any, limits: Limits) -> Completion:
+    """A chat request as the completion of its conversation: ``messages`` rendered with the
+    chat template and followed by the assistant's header, the template's end of message one
+    more stop string. Every other field as ``parse_request`` (``max_completion_tokens`` is
+    OpenAI's newer name for ``max_tokens``); ``RequestError`` (400) naming the first bad one."""
+    if not isinstance(body, dict):
+        raise RequestError(400, f"the body must be a JSON object, not {type(body).__name__}; send "
+                                f'{{"messages": [{{"role": "user", "content": "..."}}]}}')
+    for name, off in CHAT_UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and not any(value == v and type(value) is type(v) for v in off):
+            raise RequestError(400, f"{name}={json.dumps(value)} is not supported by this server; leave {name} out",
+                               name)
+    if "prompt" in body:
+        raise RequestError(400, "prompt is the field of POST /v1/completions; a chat request sends messages: "
+                                '[{"role": "user", "content": "..."}]', "prompt")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, f'messages must be a non-empty list of {{"role", "content"}} objects, not '
+                                f"{_describe(messages)}", "messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise RequestError(400, f"messages[{i}] must be {{\"role\": one of {', '.join(ROLES)}, \"content\": "
+                                    f"text}}, not {json.dumps(m)[:80]}", "messages")
+    if "max_completion_tokens" in body and "max_tokens" in body:
+        raise RequestError(400, "max_tokens and max_completion_tokens are the same limit: give one of them",
+                           "max_completion_tokens")
+    rest = {k: v for k, v in body.items() if k not in ("messages", "max_completion_tokens", *CHAT_UNSUPPORTED)}
+    if "max_completion_tokens" in body:
+        rest["max_tokens"] = body["max_completion_tokens"]
+    request = parse_request({**rest, "prompt": prompt_text(messages)}, limits)
+    return dataclasses.replace(request, stop=[*request.stop, END], source="messages")
+
+
+def chat_response(completion: dict) -> dict:
+    """A ``/v1/completions`` response body as OpenAI's chat completion: each choice's text as
+    the assistant's message."""
+    choices = [{"index": c["index"], "message": {"role": "assistant", "content": c["text"]}, "logprobs": None,
+                "finish_reason": c["finish_reason"]} for c in completion["choices"]]
+    return {**completion, "id": "chatcmpl-" + completion["id"].removeprefix("cmpl-"), "object": "chat.completion",
+            "choices": choices}
 
 
 def _describe(value: Any) -> str:
@@ -204,18 +255,22 @@ class CompletionServer(ThreadingHTTPServer):
         tok, limits = self.tokenizer, self.limits
         encoded = [tok.encode(p) for p in request.prompts]
         for i, ids in enumerate(encoded):
-            name = "prompt" if len(encoded) == 1 else f"prompt[{i}]"
+            name = request.source if len(encoded) == 1 else f"{request.source}[{i}]"
+            if request.source == "messages":
+                name = "messages (with the chat template)"
             if not ids:
-                raise RequestError(400, f"{name} encodes to no tokens: give some text to continue", "prompt")
+                raise RequestError(400, f"{name} encodes to no tokens: give some text to continue", request.source)
             if len(ids) > limits.max_prompt_tokens:
                 raise RequestError(400, f"{name} is {len(ids)} tokens, more than the {limits.max_prompt_tokens} "
-                                        f"this server takes: shorten it", "prompt", code="context_length_exceeded")
+                                        f"this server takes: shorten it", request.source,
+                                   code="context_length_exceeded")
             if limits.max_context is not None and len(ids) + request.max_tokens > limits.max_context:
                 room = limits.max_context - len(ids)
                 raise RequestError(400, f"{name} ({len(ids)} tokens) + max_tokens ({request.max_tokens}) = "
                                         f"{len(ids) + request.max_tokens} exceeds the model's context of "
                                         f"{limits.max_context} tokens: lower max_tokens to at most {room} or "
-                                        f"shorten the prompt", "max_tokens", code="context_length_exceeded")
+                                        f"shorten the {request.source}", "max_tokens",
+                                   code="context_length_exceeded")
         stop_tokens = stop_token_ids(tok, request.stop)
         with self._generating:
             try:
@@ -276,12 +331,14 @@ class _Handler(BaseHTTPRequestHandler):
         routes: dict[str, dict[str, Callable[[], dict]]] = {
             "/health": {"GET": lambda: {"status": "ok", "model": self.server.model_name}},
             "/v1/completions": {"POST": self._completions},
+            "/v1/chat/completions": {"POST": self._chat_completions},
         }
         path = urlsplit(self.path).path
         try:
             if path not in routes:
                 self._drain(self._content_length(required=False))
-                raise RequestError(404, f"no such path {path}: use POST /v1/completions or GET /health",
+                raise RequestError(404, f"no such path {path}: use POST /v1/completions, POST "
+                                        f"/v1/chat/completions or GET /health",
                                    kind="not_found_error")
             if method not in routes[path]:
                 self._drain(self._content_length(required=False))
@@ -296,6 +353,12 @@ class _Handler(BaseHTTPRequestHandler):
                                          kind="server_error").body())
 
     def _completions(self) -> dict:
+        return self.server.complete(parse_request(self._json_body(), self.server.limits))
+
+    def _chat_completions(self) -> dict:
+        return chat_response(self.server.complete(parse_chat_request(self._json_body(), self.server.limits)))
+
+    def _json_body(self) -> Any:
         length = self._content_length(required=True)
         limit = self.server.limits.max_body_bytes
         if length > limit:
@@ -311,7 +374,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise RequestError(400, f"the body is not valid JSON ({e}); send a JSON object such as "
                                     f'{{"prompt": "Hello", "max_tokens": 16}}') from None
-        return self.server.complete(parse_request(body, self.server.limits))
+        return body
 
     def _content_length(self, required: bool) -> int:
         if self.headers.get("Transfer-Encoding", "").lower() not in ("", "identity"):

@@ -3,20 +3,19 @@ sacrebleu's corpus BLEU and chrF against the references, next to the copy-source
 (the source itself as the translation: what a model must beat to have learned more than
 copying). An encoder–decoder translates the source (``seq2seq_translator``); a decoder-only
 model fine-tuned on the chat template answers the source as the user's message
-(``chat_translator``).
+(``fxmega.inference.chat``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from fxmega.data.instructions import END, prompt_text
-from fxmega.inference.generation_cli import generate_texts
+from fxmega.inference.chat import Answerer, chat_answerer
 from fxmega.inference.model_loader import LoadedModel
 from fxmega.inference.seq2seq import ended, generate_seq2seq, is_encoder_decoder
 
-Translator = Callable[[Sequence[str]], list[str]]
+Translator = Answerer  # sources in, translations out
 
 
 def seq2seq_translator(model: Any, params: dict, cfg: Any, tokenizer: Any, max_new_tokens: int,
@@ -33,36 +32,11 @@ def seq2seq_translator(model: Any, params: dict, cfg: Any, tokenizer: Any, max_n
     return translate
 
 
-def chat_translator(run: LoadedModel, max_new_tokens: int, batch_size: int = 32) -> Translator:
-    """Greedy answers of a decoder-only model to each source as the user's message (the chat
-    template of ``fxmega.data.instructions``), cut at the template's end of message. The
-    prompt and the answer share the model's context: a prompt longer than half of it has its
-    source cut (as training cuts samples), and each batch generates at most what is left."""
-    tok, limit = run.tokenizer, run.cfg.model.max_seq_len
-
-    def prompt(source: str) -> str:
-        text = prompt_text([{"role": "user", "content": source}])
-        over = len(tok.encode(text)) - limit // 2
-        if over > 0:
-            ids = tok.encode(source)
-            text = prompt_text([{"role": "user", "content": tok.decode(ids[:max(len(ids) - over, 1)])}])
-        return text
-
-    def translate(sources: Sequence[str]) -> list[str]:
-        out: list[str] = []
-        for i in range(0, len(sources), batch_size):
-            prompts = [prompt(s) for s in sources[i:i + batch_size]]
-            room = limit - max(len(tok.encode(p)) for p in prompts)
-            out += generate_texts(run, prompts, min(max_new_tokens, room), 0.0, 0, 1.0, [END], 0)
-        return out
-    return translate
-
-
 def translator_for(run: LoadedModel, max_new_tokens: int) -> Translator:
     """The translator that fits ``run``'s model."""
     if is_encoder_decoder(run.model):
         return seq2seq_translator(run.model, run.params, run.cfg.model, run.tokenizer, max_new_tokens)
-    return chat_translator(run, max_new_tokens)
+    return chat_answerer(run, max_new_tokens)
 
 
 def scores(hypotheses: Sequence[str], references: Sequence[str]) -> dict[str, float]:
