@@ -37,8 +37,8 @@ LAYERS = {
     "training": "training training.optim training.update training.schedules training.metrics training.step "
                 "training.pipeline_step training.evaluate training.faults training.heartbeat training.logs "
                 "training.tracking training.state training.outcome training.run training.train training.finetune",
-    "serving": "inference.serve inference.serve_mesh inference.generation_cli inference.chat inference.translation_eval "
-               "inference.qa_eval",
+    "serving": "inference.serve inference.serve_mesh inference.generation_cli inference.chat "
+               "inference.translation_eval inference.qa_eval inference.code_eval",
     "planning": "planning planning.fake planning.report planning.auto planning.summary",
     "command line": "cli cli.parser cli.commands",
 }
