@@ -244,7 +244,7 @@ def _serve(cfg: RunConfig, parallel: Parallel | None, device: torch.device | Non
                    max_context=cfg.model.max_seq_len, max_prompt_tokens=cfg.model.max_seq_len - 1,
                    model_name=cfg.name)
     where = f"mesh {parallel.groups.mesh.describe()}; " if parallel is not None else ""
-    log.info(f"serving {cfg.name} on {server.url}/v1/completions ({where}Ctrl-C stops)")
+    log.info(f"serving {cfg.name} on {server.url}/v1/completions and /v1/chat/completions ({where}Ctrl-C stops)")
     # a launcher stops its workers with SIGTERM: stop as on Ctrl-C, so the followers are sent home
     signal.signal(signal.SIGTERM, _interrupt)
     try:
