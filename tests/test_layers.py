@@ -31,6 +31,7 @@ LAYERS = {
                            "sharding.zero3 sharding.runtime sharding.distributed",
     "checkpoints and conversion": "storage storage.checkpoint_files storage.checkpoint storage.run_state "
                                   "storage.hf_files storage.hf_layout storage.hf_bert storage.hf_t5 storage.convert "
+                                  "storage.pretrained "
                                   "storage.orbax_io",
     "inference": "inference inference.model_loader inference.generate inference.seq2seq "
                  "inference.generate_parallel inference.code_exec",

@@ -11,7 +11,8 @@ import json
 import pytest
 
 from fxmega.config import load, override
-from fxmega.data.doc_questions import doc_pairs, ensure_doc_questions, summary
+from fxmega.core.errors import DataError
+from fxmega.data.doc_questions import doc_pairs, ensure_doc_questions, ensure_doc_topics, summary
 from fxmega.inference.qa_eval import evaluate_qa, exact_match, majority_answer, normalize_answer, token_f1
 from fxmega.training.run import Run
 from tests.multirank import ROOT
@@ -44,6 +45,15 @@ def test_pairs_from_a_tree_of_sources(tmp_path):
     rows = [json.loads(line) for p in paths.values() for line in p.read_text().splitlines()]
     assert sorted(r["name"] for r in rows) == sorted(pairs)  # every pair in exactly one split
     assert not list((tmp_path / "data" / "qa").glob("*.partial"))
+    # the same summaries labelled with their top-level package, for the packages with the most
+    with pytest.raises(DataError, match="needs at least two"):
+        ensure_doc_topics(tmp_path / "data", tmp_path)
+    (tmp_path / "other.py").write_text('def run():\n    """Run the other thing now."""\n')
+    topics = ensure_doc_topics(tmp_path / "data", tmp_path, topics=2)
+    rows = [json.loads(line) for p in topics.values() for line in p.read_text().splitlines()]
+    assert sorted((r["text"], r["label"]) for r in rows) == [
+        ("A round shape with a radius.", "pkg"), ("Load the file at path.", "pkg"),
+        ("Return the area of the circle.", "pkg"), ("Run the other thing now.", "other")]
 
 
 def test_the_standard_librarys_pairs():

@@ -14,11 +14,17 @@ every machine with the same Python), written as ``{"prompt", "response", "name"}
 under the data directory (never committed). A model answers held-out questions from the
 name alone (``tkinter.Canvas.select_item`` → "Return the item which has the selection."):
 what it can learn is how the library's authors phrase what a name does.
+
+The same summaries make a topic-classification set (``ensure_doc_topics``): each summary's
+label is the top-level package it documents, for the packages with the most documented
+names (tkinter, idlelib, asyncio, distutils, logging, xml, email, lib2to3 on CPython 3.11:
+2,389 summaries), written as ``{"text", "label", "name"}`` lines for ``run.py finetune``.
 """
 
 from __future__ import annotations
 
 import ast
+import collections
 import json
 import os
 import re
@@ -82,6 +88,18 @@ def doc_pairs(root: str | Path | None = None) -> dict[str, tuple[str, str]]:
     return out
 
 
+def _write_splits(paths: dict[str, Path], rows: list[dict[str, str]]) -> None:
+    # each split by a hash of the qualified name, written beside its path and renamed (atomic)
+    paths["train"].parent.mkdir(parents=True, exist_ok=True)
+    for split, path in paths.items():
+        partial = path.with_suffix(".partial")
+        with open(partial, "w", encoding="utf-8") as f:
+            for row in rows:
+                if split_by_hash(row["name"]) == split:
+                    f.write(json.dumps(row) + "\n")
+        os.replace(partial, path)
+
+
 def ensure_doc_questions(data_dir: str | Path, root: str | Path | None = None) -> dict[str, Path]:
     """The ``{"prompt", "response", "name"}`` JSON-lines file of each split (see the module
     docstring), built on first use; ``{split: path}``. Each written atomically."""
@@ -92,12 +110,24 @@ def ensure_doc_questions(data_dir: str | Path, root: str | Path | None = None) -
     pairs = doc_pairs(root)
     if not pairs:
         raise DataError(f"no documented public functions or classes under {root or 'the standard library'}")
-    folder.mkdir(parents=True, exist_ok=True)
-    for split, path in paths.items():
-        partial = path.with_suffix(".partial")
-        with open(partial, "w", encoding="utf-8") as f:
-            for name, (question, answer) in pairs.items():
-                if split_by_hash(name) == split:
-                    f.write(json.dumps({"prompt": question, "response": answer, "name": name}) + "\n")
-        os.replace(partial, path)
+    _write_splits(paths, [{"prompt": q, "response": a, "name": name} for name, (q, a) in pairs.items()])
+    return paths
+
+
+def ensure_doc_topics(data_dir: str | Path, root: str | Path | None = None, topics: int = 8) -> dict[str, Path]:
+    """The ``{"text", "label", "name"}`` JSON-lines file of each split: every summary of the
+    ``topics`` top-level packages with the most documented names, labelled with its package
+    (see the module docstring); built on first use, ``{split: path}``."""
+    folder = Path(data_dir) / "classify"
+    paths = {s: folder / f"stdlib-topics.{s}.jsonl" for s in SPLITS}
+    if all(p.is_file() for p in paths.values()):
+        return paths
+    pairs = doc_pairs(root)
+    packages = collections.Counter(name.split(".")[0] for name in pairs)
+    kept = {package for package, _ in packages.most_common(topics)}
+    if len(kept) < 2:
+        raise DataError(f"the sources under {root or 'the standard library'} document {len(kept)} package(s); "
+                        f"topic classification needs at least two")
+    _write_splits(paths, [{"text": answer, "label": name.split(".")[0], "name": name}
+                          for name, (_, answer) in pairs.items() if name.split(".")[0] in kept])
     return paths
