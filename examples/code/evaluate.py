@@ -17,11 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from fxmega.config import override  # noqa: E402
 from fxmega.inference.code_eval import completions, evaluate_code  # noqa: E402
 from fxmega.inference.code_exec import read_problems  # noqa: E402
-from fxmega.inference.generation_cli import load_generator  # noqa: E402
-from fxmega.inference.model_loader import recorded, recorded_config  # noqa: E402
+from fxmega.inference.generation_cli import load_recorded_generator  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.canonical:
         candidates = {t: [problems[t]["canonical_solution"]] * args.samples for t in tasks}
     else:
-        cfg = override(recorded_config(*recorded(args.load)), [f"train.load_dir={args.load}", "train.device=cpu"])
-        run = load_generator(cfg)
+        run = load_recorded_generator(args.load)
         made = completions(run, [problems[t]["prompt"] for t in tasks], args.max_new_tokens, args.samples,
                            args.temperature)
         candidates = dict(zip(tasks, made))

@@ -13,10 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from fxmega.config import override  # noqa: E402
 from fxmega.inference.chat import chat_answerer  # noqa: E402
-from fxmega.inference.generation_cli import load_generator  # noqa: E402
-from fxmega.inference.model_loader import recorded, recorded_config  # noqa: E402
+from fxmega.inference.generation_cli import load_recorded_generator  # noqa: E402
 from fxmega.inference.qa_eval import evaluate_qa  # noqa: E402
 
 
@@ -34,8 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="per answer")
     parser.add_argument("--show", type=int, default=5, help="print this many answers")
     args = parser.parse_args(argv)
-    cfg = override(recorded_config(*recorded(args.load)), [f"train.load_dir={args.load}", "train.device=cpu"])
-    run = load_generator(cfg)
+    run = load_recorded_generator(args.load)
     pairs = read_questions(args.questions)
     result = evaluate_qa(chat_answerer(run, args.max_new_tokens), pairs, [a for _, a in read_questions(args.train)])
     for (question, reference), answer in list(zip(pairs, result["predictions"]))[:args.show]:

@@ -13,10 +13,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
-from fxmega.config import override  # noqa: E402
 from fxmega.data.parallel_text import read_pairs  # noqa: E402
-from fxmega.inference.generation_cli import load_generator  # noqa: E402
-from fxmega.inference.model_loader import recorded, recorded_config  # noqa: E402
+from fxmega.inference.generation_cli import load_recorded_generator  # noqa: E402
 from fxmega.inference.translation_eval import evaluate_translation, translator_for  # noqa: E402
 
 
@@ -27,8 +25,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=160, help="per translation")
     parser.add_argument("--show", type=int, default=5, help="print this many translations")
     args = parser.parse_args()
-    cfg = override(recorded_config(*recorded(args.load)), [f"train.load_dir={args.load}", "train.device=cpu"])
-    run = load_generator(cfg)
+    run = load_recorded_generator(args.load)
     pairs = read_pairs(args.pairs)
     result = evaluate_translation(translator_for(run, args.max_new_tokens), pairs)
     for (src, ref), hyp in list(zip(pairs, result["hypotheses"]))[:args.show]:

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from fxmega.config import RunConfig
+from fxmega.config import RunConfig, override
 from fxmega.core.errors import ConfigError
 from fxmega.inference.generate_parallel import generate_on_mesh
-from fxmega.inference.model_loader import LoadedModel, load_model
+from fxmega.inference.model_loader import LoadedModel, load_model, recorded, recorded_config
 from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq, is_encoder_decoder
 from fxmega.inference.serve import cut_at_stop, stop_token_ids
 from fxmega.models import family_name, model_for
@@ -43,6 +43,13 @@ def load_generator(cfg: RunConfig, parallel: Parallel | None = None,
     if is_encoder_decoder(model) and run.tokenizer is not None:
         run.tokenizer = WithModelSpecials(run.tokenizer, cfg.model)  # a target may hold sentinels
     return run
+
+
+def load_recorded_generator(path: str, device: str = "cpu") -> LoadedModel:
+    """``load_generator`` for the checkpoint at ``path`` with the config it records, on one
+    ``device``: what the recipes' evaluation scripts start from."""
+    cfg = override(recorded_config(*recorded(path)), [f"train.load_dir={path}", f"train.device={device}"])
+    return load_generator(cfg)
 
 
 def generate_fn(run: LoadedModel) -> Callable[..., list[list[int]]]:
