@@ -256,8 +256,7 @@ class CompletionServer(ThreadingHTTPServer):
         encoded = [tok.encode(p) for p in request.prompts]
         for i, ids in enumerate(encoded):
             name = request.source if len(encoded) == 1 else f"{request.source}[{i}]"
-            if request.source == "messages":
-                name = "messages (with the chat template)"
+            name += " (with the chat template)" if request.source == "messages" else ""
             if not ids:
                 raise RequestError(400, f"{name} encodes to no tokens: give some text to continue", request.source)
             if len(ids) > limits.max_prompt_tokens:
