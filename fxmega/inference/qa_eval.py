@@ -10,10 +10,11 @@ from __future__ import annotations
 import collections
 import re
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-Answerer = Callable[[Sequence[str]], list[str]]
+from fxmega.inference.chat import Answerer
+
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
