@@ -128,6 +128,10 @@ class ParallelConfig:
     # inductor reorders collectives to overlap compute: each one issued once its inputs exist, its
     # wait sunk to its first use (Megatron: --overlap-grad-reduce, --overlap-param-gather)
     overlap_comm: bool = False
+    # tensor-parallel matmuls split into chunks so their sequence-parallel all-gathers and
+    # reduce-scatters overlap the chunks' compute (torch's micro-pipelined TP on symmetric
+    # memory; Megatron: --tp-comm-overlap); CUDA only
+    async_tp: bool = False
     zero3_regather: bool = True  # ZeRO-3: re-gather parameters in the backward instead of keeping them
     pipeline_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b | zero-bubble
     virtual_stages: int = 1  # stages per pp rank (interleaved schedules; Megatron: virtual pipeline size)
@@ -366,6 +370,14 @@ def _validate(cfg: RunConfig, dp: int | None) -> None:
              f"parallel.overlap_comm=true needs inductor's scheduler (train.compile=true, train.compile_backend="
              f"inductor); with compile={t.compile}, backend {t.compile_backend!r} the ops run in traced order: "
              f"set parallel.overlap_comm=false or compile with inductor")
+    _require(not p.async_tp or (t.compile and t.compile_backend == "inductor"),
+             f"parallel.async_tp=true is an inductor pass (it rewrites all-gather + matmul and matmul + "
+             f"reduce-scatter); with compile={t.compile}, backend {t.compile_backend!r}: compile with inductor or "
+             f"set parallel.async_tp=false")
+    _require(not p.async_tp or p.sequence_parallel,
+             "parallel.async_tp=true overlaps sequence parallelism's all-gathers and reduce-scatters with the "
+             "matmuls they feed; without parallel.sequence_parallel=true tp reduces by all-reduce, which it does "
+             "not split: set parallel.sequence_parallel=true or parallel.async_tp=false")
 
     _require(p.pipeline_schedule in PIPELINE_SCHEDULES,
              f"parallel.pipeline_schedule={p.pipeline_schedule!r}: use one of {', '.join(PIPELINE_SCHEDULES)}")

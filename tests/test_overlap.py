@@ -5,10 +5,14 @@ current one computes, and wait only where the result is used."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fxmega.config import override
 from fxmega.core.errors import ConfigError
+from fxmega.models import model_for
 from fxmega.sharding.collectives import kernels_before_waits
+from fxmega.sharding.overlap import inductor_options
+from fxmega.training.run import check_compute
 from tests.multirank import run_ranks
 from tests.sharding_workers import tiny_config
 from tests.tolerance import assert_losses_match
@@ -32,6 +36,30 @@ def test_kernels_before_waits_reads_generated_code():
 def test_refused_without_inductor():
     with pytest.raises(ConfigError, match="overlap_comm=true needs inductor"):
         override(tiny_config(), ["parallel.overlap_comm=true", "train.compile_backend=aot_eager"]).validate()
+
+
+def test_async_tp_turns_on_inductors_micro_pipeline_pass():
+    cfg = override(tiny_config(), ["parallel.async_tp=true", "parallel.sequence_parallel=true"]).validate()
+    options = inductor_options(cfg.parallel)
+    assert options == {"_micro_pipeline_tp": True}
+    with torch._inductor.config.patch(options):  # a name inductor knows (patch refuses unknown ones)
+        assert torch._inductor.config._micro_pipeline_tp
+    both = inductor_options(override(cfg, ["parallel.overlap_comm=true"]).parallel)
+    assert both["_micro_pipeline_tp"] and both["reorder_for_compute_comm_overlap"]
+
+
+def test_async_tp_refused_where_it_cannot_run():
+    base = tiny_config()
+    with pytest.raises(ConfigError, match="async_tp=true is an inductor pass"):
+        override(base, ["parallel.async_tp=true", "parallel.sequence_parallel=true",
+                        "train.compile_backend=aot_eager"]).validate()
+    with pytest.raises(ConfigError, match="without parallel.sequence_parallel=true"):
+        override(base, ["parallel.async_tp=true"]).validate()
+    cfg = override(base, ["parallel.async_tp=true", "parallel.sequence_parallel=true"]).validate()
+    with pytest.raises(ConfigError, match="CUDA symmetric memory; this run is on cpu"):
+        check_compute(cfg, None, torch.device("cpu"), model_for(cfg.model))
+    with pytest.raises(ConfigError, match="this mesh has tp=1"):  # the device check passes on a CUDA device
+        check_compute(cfg, None, torch.device("cuda"), model_for(cfg.model))
 
 
 @pytest.mark.slow

@@ -10,13 +10,33 @@ done by the compiler on the whole graph: ZeRO's gathers and reduce-scatters, tp'
 data axes' collectives alike. No pass of fxmega's own is needed: with them on, every
 gradient reduction of the tiny GPT on dp=2 has compute before its wait
 (``collectives.kernels_before_waits``; tests/test_overlap.py).
+
+Async tensor parallelism (``parallel.async_tp``) is inductor's micro-pipeline TP pass: each
+sequence-parallel all-gather feeding a matmul, and each matmul feeding a reduce-scatter, is
+rewritten into chunks exchanged through CUDA symmetric memory while the other chunks
+multiply (torchtitan's ``enable_async_tensor_parallel``, Megatron's ``--tp-comm-overlap``).
+It needs CUDA and a tp axis (``training.run.check_compute`` refuses it elsewhere); since
+torch 2.10 symmetric memory needs no per-group enabling.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 PASSES = ["sink_waits", "raise_comms"]
 
 
-def inductor_options() -> dict:
-    """The inductor settings that turn the reordering on (``parallel.overlap_comm``)."""
-    return {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": list(PASSES)}
+class OverlapSettings(Protocol):
+    overlap_comm: bool
+    async_tp: bool
+
+
+def inductor_options(parallel: OverlapSettings) -> dict:
+    """The inductor settings for ``parallel.overlap_comm`` (reordering) and
+    ``parallel.async_tp`` (micro-pipelined tensor parallelism)."""
+    options: dict = {}
+    if parallel.overlap_comm:
+        options |= {"reorder_for_compute_comm_overlap": True, "reorder_for_compute_comm_overlap_passes": list(PASSES)}
+    if parallel.async_tp:
+        options["_micro_pipeline_tp"] = True
+    return options

@@ -57,6 +57,16 @@ def check_compute(cfg: RunConfig, parallel: Parallel | None, device: torch.devic
             raise ConfigError(f"train.cuda_graphs=true is measured on one device only; this run is on a mesh of "
                               f"{parallel.groups.mesh.world_size} ranks (collectives inside captured graphs are not "
                               f"tested here): set train.cuda_graphs=false")
+    if cfg.parallel.async_tp:
+        if device.type != "cuda":
+            raise ConfigError(f"parallel.async_tp=true runs torch's micro-pipelined tensor parallelism, which "
+                              f"exchanges the chunks through CUDA symmetric memory; this run is on {device.type}: "
+                              f"set parallel.async_tp=false")
+        if parallel is None or parallel.groups.tp < 2:
+            tp = 1 if parallel is None else parallel.groups.tp
+            raise ConfigError(f"parallel.async_tp=true overlaps tensor parallelism's collectives; this mesh has "
+                              f"tp={tp}: give the mesh a tp axis (e.g. --mesh dp=1,tp=2) or set "
+                              f"parallel.async_tp=false")
     if cfg.data.pack and not getattr(model, "CONTEXT_PARALLEL", False):
         raise ConfigError(f"data.pack=true restarts the positions in every packed conversation; the "
                           f"{family_name(cfg.model)} model does not take a position per token (GPT, Llama and "
@@ -134,8 +144,8 @@ class Run:
         self._prefetcher: Prefetcher | None = None  # ``prefetch``: the next steps' input, built ahead
         zero3_regather = parallel is not None and parallel.gathers_params and parallel.regather
         options = recompute.inductor_options(cfg.compute.recompute != "none" or zero3_regather)
-        if cfg.parallel.overlap_comm:
-            options = {**(options or {}), **overlap.inductor_options()}
+        if cfg.parallel.overlap_comm or cfg.parallel.async_tp:
+            options = {**(options or {}), **overlap.inductor_options(cfg.parallel)}
         if t.cuda_graphs:  # the state lives at fixed addresses, so the captured graphs update it in place
             options = {**(options or {}), "triton.cudagraphs": True}
             for tensor in [*tree.leaves(params), opt_state["step"], *opt_state["exp_avg"], *opt_state["exp_avg_sq"]]:
