@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fxmega.config import ComputeConfig, ParallelConfig, RunConfig, TrainConfig  # noqa: E402
 from fxmega.models import gpt  # noqa: E402
 from fxmega.ops.init import count_params  # noqa: E402
-from fxmega.planning import auto  # noqa: E402
+from fxmega.planning import auto, devices  # noqa: E402
 from fxmega.planning.report import estimate_plan  # noqa: E402
 from fxmega.sharding.strategy import plan_from  # noqa: E402
 
@@ -57,7 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default="", help="comma-separated sizes, e.g. 1.7B,7.1B")
     args = parser.parse_args()
-    profile = auto.PROFILES["h100"]
+    profile = devices.PROFILES["h100"]
     print("| model | params (fxmega GPT) | Megatron TP/PP/DP | fxmega's memory/GPU for it | Megatron MFU "
           "| fxmega's choice | its memory/GPU | its estimated MFU |")
     print("|---|---|---|---|---|---|---|---|")

@@ -40,7 +40,8 @@ LAYERS = {
                 "training.tracking training.state training.outcome training.run training.train training.finetune",
     "serving": "inference.serve inference.serve_mesh inference.generation_cli inference.chat "
                "inference.translation_eval inference.qa_eval inference.code_eval",
-    "planning": "planning planning.fake planning.report planning.auto planning.summary",
+    "planning": "planning planning.devices planning.fake planning.exposure planning.report planning.auto "
+                "planning.summary",
     "command line": "cli cli.parser cli.commands",
 }
 # imported inside functions because they are optional: the package imports without them

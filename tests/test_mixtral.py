@@ -294,8 +294,9 @@ def test_plan_traces_an_expert_parallel_rank():
     text = plan_report(cfg, rank=1)
     m, t = cfg.model, cfg.train
     assert "memory per rank" in text
-    # the collectives table: axis op | count | bytes | nothing before wait | GFLOP before waits
-    rows = dict(re.findall(r"^  (\S+ +\S+) +\d+ +(\S+ \S+) +\d+ +\S+ *$", text, re.M))
+    # the collectives table: axis op | count | bytes | nothing before wait | GFLOP before waits |
+    # transfer ms | exposed ms traced | exposed ms overlapped
+    rows = dict(re.findall(r"^  (\S+ +\S+) +\d+ +(\S+ \S+) +\d+ +\S+ +\S+ +\S+ +\S+ *$", text, re.M))
     a2a_bytes = 4 * m.n_layers * m.moe.n_experts * t.micro_batch_size * t.seq_len * m.d_model * 4
     assert rows["ep     all_to_all_single"] == format_bytes(a2a_bytes)
     assert re.search(rf"^  ep +all_to_all_single +{4 * m.n_layers} ", text, re.M)

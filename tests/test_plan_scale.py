@@ -7,7 +7,7 @@ from fxmega.cli import main
 from fxmega.config import load, override
 from fxmega.models import model_for
 from fxmega.ops.init import count_params
-from fxmega.planning import auto
+from fxmega.planning import auto, devices
 from fxmega.planning.fake import fake_parallel, fake_world, trace_rank_step
 from fxmega.planning.report import estimate_plan, parse_bytes, plan_report
 from fxmega.sharding import estimate
@@ -216,7 +216,7 @@ def test_memory_estimate_orders_and_pipeline_in_flight():
 def test_auto_planner_only_proposes_layouts_that_fit_and_divide():
     cfg = cfg_of("gpt2_124m", "compute.precision=bf16", "train.global_batch_size=64", "train.micro_batch_size=4")
     budget = parse_bytes("4GB")
-    found = auto.search(cfg, 16, auto.parse_profile("h100"), budget)
+    found = auto.search(cfg, 16, devices.parse_profile("h100"), budget)
     ok = [c for c in found if not c.reason]
     assert ok and len(ok) < len(found)
     for c in ok:
@@ -228,7 +228,23 @@ def test_auto_planner_only_proposes_layouts_that_fit_and_divide():
     assert [c.step_s for c in ok] == sorted(c.step_s for c in ok)
     reasons = " ".join(c.reason for c in found if c.reason)
     assert "tp=16 groups would span nodes" in reasons and "GB per device, over 4.0 GB" in reasons
-    assert "no candidate fits" in auto.report(cfg, 16, auto.parse_profile("h100"), parse_bytes("10MB"))
+    assert "no candidate fits" in auto.report(cfg, 16, devices.parse_profile("h100"), parse_bytes("10MB"))
+
+
+def test_auto_planner_hides_data_traffic_only_with_overlap():
+    """Compiled with inductor the candidates turn --overlap-comm on and the data axes' traffic
+    hides behind compute as far as it fits; without inductor nothing reorders the traced
+    graph, whose collectives are waited for where they are issued: exposed in full."""
+    cfg = cfg_of("gpt2_124m", "compute.precision=bf16", "train.global_batch_size=64", "train.micro_batch_size=4")
+    h100 = devices.parse_profile("h100")
+    on = [c for c in auto.search(cfg, 16, h100) if not c.reason and c.parts["data"] > 0]
+    off = [c for c in auto.search(override(cfg, ["train.compile_backend=aot_eager"]), 16, h100)
+           if not c.reason and c.parts["data"] > 0]
+    assert on and off
+    assert all("parallel.overlap_comm=true" in c.assignments() and c.parts["data exposed"] < c.parts["data"]
+               for c in on)
+    assert all("parallel.overlap_comm=true" not in c.assignments() and c.parts["data exposed"] == c.parts["data"]
+               for c in off)
 
 
 def test_auto_planner_searches_cp_for_long_sequences():
@@ -237,7 +253,7 @@ def test_auto_planner_searches_cp_for_long_sequences():
     under 512 tokens). The ring holds less than the all-gather on the same layout."""
     cfg = cfg_of("llama31_8b", "compute.precision=bf16", "train.seq_len=65536", "model.max_seq_len=131072",
                  "train.global_batch_size=16", "train.micro_batch_size=1")
-    found = auto.search(cfg, 16, auto.parse_profile("h100"))
+    found = auto.search(cfg, 16, devices.parse_profile("h100"))
     ok = [c for c in found if not c.reason]
     assert ok[0].cp > 1 and any(c.cp == 1 for c in ok)
     assert all(c.devices == 16 for c in ok)
@@ -248,7 +264,7 @@ def test_auto_planner_searches_cp_for_long_sequences():
     assert pairs and all(m["ring"] < m["allgather"] for m in pairs)
     assert all(c.cp_attention == "ring" for c in ok if c.cp > 1)  # all-gather's mask: s/cp x s bytes a block, 1-2 GiB
     short = override(cfg, ["train.seq_len=1024"])
-    assert all(c.cp == 1 for c in auto.candidates(short, 16, auto.parse_profile("h100")))
+    assert all(c.cp == 1 for c in auto.candidates(short, 16, devices.parse_profile("h100")))
 
 
 def test_auto_planner_searches_ep_for_experts():
@@ -257,7 +273,7 @@ def test_auto_planner_searches_ep_for_experts():
     their AdamW state split 8 ways) and pays for its all-to-alls; dropless over ep holds more
     than with a capacity factor (each expert's buffer holds a whole sequence, E/k the rows)."""
     cfg = cfg_of("mixtral_8x7b", "compute.precision=bf16", "model.moe.capacity_factor=1.25")
-    h100 = auto.parse_profile("h100")
+    h100 = devices.parse_profile("h100")
     assert {c.ep for c in auto.candidates(cfg, 64, h100) if (c.dp, c.tp, c.pp) == (8, 1, 8)} == {1, 2, 4, 8}
     assert {c.ep for c in auto.candidates(cfg_of("llama2_7b"), 64, h100)} == {1}
 
@@ -290,7 +306,7 @@ def test_step_time_model_against_megatrons_published_throughput():
     the recompute forward (their formula 96 B s l h^2 (1 + s/6h + V/16lh) per step), so
     each is turned into model-FLOPs utilisation before comparing with ``Candidate.mfu``."""
     s, vocab = 2048, 51200
-    a100 = auto.PROFILES["a100"]
+    a100 = devices.PROFILES["a100"]
     ratios = []
     for billions, heads, hidden, layers, tp, pp, gpus, batch, tflops in MEGATRON_2021:
         cfg = cfg_of("gpt2_124m", f"model.vocab_size={vocab}", f"model.max_seq_len={s}", f"model.d_model={hidden}",

@@ -31,7 +31,7 @@ from fxmega.inference.serve import serve
 from fxmega.inference.serve_mesh import Leader, follow
 from fxmega.models import family_name, model_for
 from fxmega.ops.init import count_params
-from fxmega.planning import auto
+from fxmega.planning import auto, devices
 from fxmega.planning.report import parse_bytes, plan_report
 from fxmega.planning.summary import summary
 from fxmega.sharding import distributed, visualize
@@ -163,7 +163,8 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
         cfg.validate(plan.mesh.data_size)
         print(plan.explain(), flush=True)
     elif not (args.show or args.plan_html):
-        print(plan_report(cfg, budget, args.rank, dump_dir=cfg.train.dump_kernels or None), flush=True)
+        print(plan_report(cfg, budget, args.rank, dump_dir=cfg.train.dump_kernels or None,
+                          profile=devices.parse_profile(args.device_profile)), flush=True)
     for path in args.show:
         print(visualize.show_param(plan, path, color=sys.stdout.isatty()), flush=True)
     if args.plan_html:
@@ -178,7 +179,7 @@ def _auto(args: argparse.Namespace) -> int:
         raise ConfigError("--mesh auto needs --devices N: how many devices to plan for")
     setattr(args, "flag:--mesh", None)  # auto is no mesh to build a config with
     cfg = _config(args)
-    profile = auto.parse_profile(args.device_profile)
+    profile = devices.parse_profile(args.device_profile)
     budget = parse_bytes(args.memory_per_device) if args.memory_per_device else None
     print(auto.report(cfg, args.devices, profile, budget, config_path=args.config), flush=True)
     return 0

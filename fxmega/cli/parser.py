@@ -158,8 +158,9 @@ GROUPS: dict[str, list[Flag]] = {
              options={"action": "append", "default": [], "metavar": "PATH"}),
         Flag("--plan-html", "also write the plan as an HTML page", options={"metavar": "FILE"}),
         Flag("--devices", "--mesh auto: how many devices to plan for", options={"type": int}),
-        Flag("--device-profile", "--mesh auto: h100 | h200 | a100, optionally with "
-             "peak=,memory=,intra=,inter=,per_node=", options={"default": "h100"}),
+        Flag("--device-profile", "the device --mesh auto prices layouts for, and --rank R replays its "
+             "collectives at: h100 | h200 | a100, optionally with peak=,memory=,intra=,inter=,per_node=",
+             options={"default": "h100"}),
     ],
 }
 

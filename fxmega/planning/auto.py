@@ -19,14 +19,18 @@ budget, and step time
                group, not hidden (nothing orders attention's exchanges behind compute yet)
     ep       = ep bytes (the experts' all-to-alls) / bandwidth of the ep group, not hidden
                (each exchange feeds the experts' compute right after it)
-    data     = gradient/parameter traffic / its bandwidth, hidden behind the backward
-               (behind the whole step for ZeRO-3's gathers) as far as it fits
+    data     = gradient/parameter traffic / its bandwidth; with --overlap-comm (set on every
+               candidate when the run compiles with inductor) hidden behind the backward
+               (behind the whole step for ZeRO-3's gathers) as far as it fits; without it
+               exposed in full, as the traced order waits for each collective where it is
+               issued (``plan --rank R`` replays one rank's traced graphs both ways at the
+               profile's rates: ``fxmega.planning.exposure``)
     pipeline = bubble (pp - 1) / (virtual x micro batches) of compute + tp, plus the sends
     step     = (compute + tp + cp + ep) x (1 + bubble) + exposed data + pipeline sends
 
 and ranked by step time. The estimate prices what fxmega's runtime does (no communication
-overlap inside tp, bucketed data-parallel reductions); it is a planning model, not a
-simulator.
+overlap inside tp, bucketed data-parallel reductions, the data axes' collectives reordered by
+inductor when --overlap-comm is on); it is a planning model, not a simulator.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from typing import Any
 from fxmega.config import override
 from fxmega.core.errors import ConfigError
 from fxmega.models import model_for
+from fxmega.planning.devices import DeviceProfile
 from fxmega.planning.report import estimate_plan, text_table
 from fxmega.sharding.context import check_context_parallel
 from fxmega.sharding.mesh import check_model_mesh
@@ -49,52 +54,6 @@ SCHEDULE_CHOICES = (("1f1b", 1), ("interleaved-1f1b", 2))
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 CP_ATTENTION_CHOICES = ("allgather", "ring")
 MIN_CP_CHUNK = 512  # tokens per cp chunk (a rank holds two)
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    name: str
-    peak_flops: float  # dense bf16 FLOP/s
-    memory: int  # bytes per device
-    intra_bw: float  # bytes/s per direction between devices of a node (NVLink)
-    inter_bw: float  # bytes/s per direction per device across nodes (InfiniBand)
-    per_node: int = 8
-    efficiency: float = 0.6  # fraction of peak the matmuls reach
-
-
-# NVIDIA data sheets: dense bf16; NVLink 4 (H100/H200) 450 GB/s and NVLink 3 (A100) 300 GB/s
-# per direction; one 400 Gb/s (H100/H200) or 200 Gb/s (A100) InfiniBand port per GPU.
-PROFILES = {
-    "h100": DeviceProfile("h100", 989e12, 80 * 10**9, 450e9, 50e9),
-    "h200": DeviceProfile("h200", 989e12, 141 * 10**9, 450e9, 50e9),
-    "a100": DeviceProfile("a100", 312e12, 80 * 10**9, 300e9, 25e9),
-}
-
-
-def parse_profile(text: str) -> DeviceProfile:
-    """``h100`` or ``h100,inter=25e9`` or ``peak=500e12,memory=48e9,intra=100e9,inter=12.5e9,per_node=4``."""
-    parts = [p for p in text.replace(" ", "").split(",") if p]
-    base = PROFILES["h100"]
-    if parts and "=" not in parts[0]:
-        if parts[0].lower() not in PROFILES:
-            raise ConfigError(f"--device-profile {text!r}: unknown device {parts[0]!r}; known: {', '.join(PROFILES)}, "
-                              f"or give peak=,memory=,intra=,inter=,per_node=")
-        base = PROFILES[parts.pop(0).lower()]
-    keys = {"peak": "peak_flops", "memory": "memory", "intra": "intra_bw", "inter": "inter_bw",
-            "per_node": "per_node", "efficiency": "efficiency"}
-    changes: dict[str, Any] = {}
-    for part in parts:
-        key, _, value = part.partition("=")
-        if key not in keys:
-            raise ConfigError(f"--device-profile {text!r}: unknown field {key!r}; fields: {', '.join(keys)}")
-        try:
-            number = float(value)
-        except ValueError:
-            raise ConfigError(f"--device-profile {text!r}: {key}={value!r} is not a number") from None
-        if number <= 0:
-            raise ConfigError(f"--device-profile {text!r}: {key} must be more than zero")
-        changes[keys[key]] = int(number) if key in ("memory", "per_node") else number
-    return dataclasses.replace(base, name="custom" if changes else base.name, **changes)
 
 
 @dataclass
@@ -111,6 +70,9 @@ class Candidate:
     ep: int = 1  # folded over the dp data ranks (does not add devices)
     # ZeRO-1/2 as the distributed optimizer; None: the run did not ask for it (nothing to set)
     flat: bool | None = None
+    # --overlap-comm: inductor issues the data axes' collectives once their inputs exist (set on
+    # every candidate when the run compiles with inductor, which it needs)
+    overlap: bool = False
     memory: int = 0  # peak bytes per device
     step_s: float = 0.0
     parts: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -141,6 +103,8 @@ class Candidate:
             out.append(f"parallel.cp_attention={self.cp_attention}")
         if self.flat is not None:  # asked for: on where it shards (zero 1, 2), off elsewhere
             out.append(f"parallel.distributed_optimizer={'true' if self.flat else 'false'}")
+        if self.overlap:
+            out.append("parallel.overlap_comm=true")
         return out
 
 
@@ -164,6 +128,7 @@ def _ep_sizes(cfg: Any, dp: int) -> list[int]:
 def candidates(cfg: Any, devices: int, profile: DeviceProfile) -> list[Candidate]:
     out = []
     flat = cfg.parallel.distributed_optimizer  # kept for the ZeRO stages it shards (1, 2)
+    overlap = cfg.parallel.overlap_comm or (cfg.train.compile and cfg.train.compile_backend == "inductor")
     for cp in _cp_sizes(cfg, devices):
         for tp in _divisors(devices // cp):
             for pp in _divisors(devices // (cp * tp)):
@@ -176,7 +141,8 @@ def candidates(cfg: Any, devices: int, profile: DeviceProfile) -> list[Candidate
                             for schedule, virtual in schedules:
                                 for mode in CP_ATTENTION_CHOICES if cp > 1 else ("allgather",):
                                     out.append(Candidate(dp, tp, pp, zero, recompute, schedule, virtual, cp, mode,
-                                                         ep, flat=zero in (1, 2) if flat else None))
+                                                         ep, flat=zero in (1, 2) if flat else None,
+                                                         overlap=overlap))
     return out
 
 
@@ -237,7 +203,9 @@ def _price(cfg: Any, c: Candidate, est: Any, profile: DeviceProfile) -> None:
     ep_s = a2a / ep_bw
     data_s = (sum(v.bytes_sent for k, v in traffic.items() if k not in ("tp", "pp", "cp")) - a2a) / data_bw
     pp_s = traffic["pp"].bytes_sent / pp_bw if "pp" in traffic else 0.0
-    hidden_behind = compute if c.zero == 3 else compute * 2 / 3
+    # reordered, a reduction hides behind the backward after its bucket (about 2/3 of the step's
+    # compute), a ZeRO-3 gather behind the whole step; in traced order each waits where it is issued
+    hidden_behind = (compute if c.zero == 3 else compute * 2 / 3) if c.overlap else 0.0
     exposed = max(0.0, data_s - hidden_behind)
     n_micro = est.work.n_micro
     bubble = (c.pp - 1) / (c.virtual * n_micro) if c.pp > 1 else 0.0

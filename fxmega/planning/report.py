@@ -15,7 +15,8 @@ from typing import Any
 from fxmega.core.errors import ConfigError
 from fxmega.core.kernel_dump import dump_kernels
 from fxmega.models import family_name, model_for
-from fxmega.planning import fake
+from fxmega.planning import exposure, fake
+from fxmega.planning.devices import PROFILES, DeviceProfile
 from fxmega.sharding import estimate
 from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
 from fxmega.sharding.pipeline import SPLIT_BACKWARD
@@ -154,9 +155,10 @@ def text_table(rows: list[tuple]) -> list[str]:
 
 
 def plan_report(cfg: Any, budget: int | None = None, rank: int | None = None, verify: bool = True,
-                dump_dir: str | None = None) -> str:
+                dump_dir: str | None = None, profile: DeviceProfile = PROFILES["h100"]) -> str:
     """The ``run.py plan`` text for ``cfg`` (its ``parallel.mesh``), optionally tracing ``rank``
-    (and writing its traced graphs under ``dump_dir``, see ``fxmega.core.kernel_dump``)."""
+    (and writing its traced graphs under ``dump_dir``, see ``fxmega.core.kernel_dump``) and
+    replaying its collectives at ``profile``'s rates (``fxmega.planning.exposure``)."""
 
     model = model_for(cfg.model)
     plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
@@ -171,7 +173,7 @@ def plan_report(cfg: Any, budget: int | None = None, rank: int | None = None, ve
         lines += [""] + memory_table(est, budget)
         lines += [""] + traffic_table(est)
     if verify or rank is not None:
-        lines += [""] + _on_fake_mesh(cfg, plan, rank, dump_dir)
+        lines += [""] + _on_fake_mesh(cfg, plan, rank, profile, dump_dir)
     return "\n".join(lines)
 
 
@@ -215,7 +217,8 @@ def _collapse_blocks(lines: list[str], n_layers: int) -> list[str]:
     return out
 
 
-def _on_fake_mesh(cfg: Any, plan: ShardingPlan, rank: int | None, dump_dir: str | None = None) -> list[str]:
+def _on_fake_mesh(cfg: Any, plan: ShardingPlan, rank: int | None, profile: DeviceProfile,
+                  dump_dir: str | None = None) -> list[str]:
     import contextlib
 
 
@@ -243,12 +246,36 @@ def _on_fake_mesh(cfg: Any, plan: ShardingPlan, rank: int | None, dump_dir: str 
             lines.append(f"  none traced: the {pipe.schedule} schedule runs its stages eagerly (it splits each "
                          f"backward by walking the stage's autograd graph, which compiling would hide)")
             return lines
-    rows = [("axis", "op", "count", "bytes (inputs)", "nothing before wait", "GFLOP before waits")]
+    seconds = exposure.link_seconds(plan.mesh, rank, trace.labels, profile)
+    rate = profile.peak_flops * profile.efficiency
+    replays = {moved: [t for g in trace.graphs for t in exposure.replay(g, seconds, rate, moved)]
+               for moved in (False, True)}
+    timed: dict[tuple[str, str], list[float]] = {}
+    for traced, moved in zip(replays[False], replays[True]):
+        c = traced.collective
+        row = timed.setdefault((trace.labels.get(c.group, c.group), c.op), [0.0, 0.0, 0.0])
+        row[0] += traced.seconds
+        row[1] += traced.exposed_s
+        row[2] += moved.exposed_s
+    rows = [("axis", "op", "count", "bytes (inputs)", "nothing before wait", "GFLOP before waits", "transfer ms",
+             "exposed ms traced", "exposed ms overlapped")]
     overlap = trace.overlap_by_axis()
     for axis, ops in sorted(trace.by_axis().items()):
         for op, (count, size) in sorted(ops.items()):
             bare, flops = overlap[axis][op]
-            rows.append((axis, op, str(count), format_bytes(size), str(bare), f"{flops / 1e9:.3g}"))
+            took, traced_s, moved_s = timed[(axis, op)]
+            rows.append((axis, op, str(count), format_bytes(size), str(bare), f"{flops / 1e9:.3g}",
+                         f"{took * 1e3:.3g}", f"{traced_s * 1e3:.3g}", f"{moved_s * 1e3:.3g}"))
+    if len(rows) == 1:
+        return lines + ["  none"]
+    total = sum(t.seconds for t in replays[False])
+    exposed = {moved: sum(t.exposed_s for t in replays[moved]) for moved in (False, True)}
+    on = "on" if cfg.parallel.overlap_comm else "off"
     note = ["  (compute between each collective and its wait, in the order the graphs were traced: what it "
-            "can hide behind; 'nothing' means exposed unless a scheduler moves it)"]
-    return lines + (text_table(rows) + note if len(rows) > 1 else ["  none"])
+            "can hide behind; 'nothing' means exposed unless a scheduler moves it)",
+            f"exposed communication per step (one micro batch), replayed at {profile.name}'s rates "
+            f"({rate / 1e12:.0f} TFLOP/s of matmuls, {profile.intra_bw / 1e9:.0f} GB/s in a node, "
+            f"{profile.inter_bw / 1e9:.0f} GB/s across): {exposed[False] * 1e3:.3g} ms of {total * 1e3:.3g} ms in "
+            f"traced order, {exposed[True] * 1e3:.3g} ms with each collective issued once its inputs exist and "
+            f"waited for at first use (--overlap-comm, {on} in this config; fxmega.planning.exposure)"]
+    return lines + text_table(rows) + note

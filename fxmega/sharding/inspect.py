@@ -44,7 +44,21 @@ class Collective:
     # step sends all of it to one neighbour); None: an even split, (W-1)/W
     sent_share: float | None = None
     ops_between: int = 0  # compute ops between the collective and its wait, in graph order
-    flops_between: float = 0.0  # their FLOPs (torch's formulas: matmuls, attention, convolutions)
+    # Where it sits among the graph's compute, in FLOPs (torch's formulas: matmuls, attention,
+    # convolutions) done before it: traced, it is issued at ``issue_flops`` and waited for at
+    # ``wait_flops``; reordered as far as its data allows, it could be issued at ``ready_flops``
+    # (its inputs exist) and waited for at ``needed_flops`` (the first compute that reads it).
+    issue_flops: float = 0.0
+    wait_flops: float = 0.0
+    ready_flops: float = 0.0
+    needed_flops: float = 0.0
+    issue_node: int = 0  # the positions of the collective and of its wait among the graph's nodes
+    wait_node: int = 0
+
+    @property
+    def flops_between(self) -> float:
+        """The FLOPs between its start and its wait in graph order: what it can hide behind."""
+        return self.wait_flops - self.issue_flops
 
     @property
     def numel(self) -> int:
@@ -82,6 +96,10 @@ def collectives_in(graph: torch.fx.Graph) -> list[Collective]:
 
     nodes = list(graph.nodes)
     flops = [_flops(n) for n in nodes]
+    before = [0.0]  # before[i]: the FLOPs of the compute ops ahead of node i
+    for f in flops:
+        before.append(before[-1] + (f or 0.0))
+    ready, needed = _ready_and_needed(nodes, flops, before)
     found = []
     for at, node in enumerate(nodes):
         target = node.target
@@ -94,12 +112,32 @@ def collectives_in(graph: torch.fx.Graph) -> list[Collective]:
         inputs = node.args[0]
         vals = [i.meta["val"] for i in (inputs if isinstance(inputs, (list, tuple)) else [inputs])]
         share = _sent_share(node.args[2], group) if name == "all_to_all_single" else None
-        between = flops[at + 1:_wait_index(node, nodes, at)]
-        hidden = [f for f in between if f is not None]
+        wait_at = _wait_index(node, nodes, at)
+        hidden = [f for f in flops[at + 1:wait_at] if f is not None]
+        inputs_ready = max((ready[a] for a in node.all_input_nodes), default=0.0)
+        first_use = needed[nodes[wait_at]] if wait_at < len(nodes) else before[-1]
         for val in vals:
             found.append(Collective(name, group, _get_group_size_by_name(group), tuple(val.shape),
-                                    val.element_size(), share, len(hidden), float(sum(hidden))))
+                                    val.element_size(), share, len(hidden), before[at], before[wait_at],
+                                    inputs_ready, max(first_use, inputs_ready), at, wait_at))
     return found
+
+
+def _ready_and_needed(nodes: list[torch.fx.Node], flops: list[float | None],
+                      before: list[float]) -> tuple[dict, dict]:
+    """Per node: the compute FLOPs done by the time its value can exist, were everything that
+    is not compute moved as early as its inputs allow (``ready``), and the FLOPs done before
+    the first compute op that needs it, were everything that is not compute moved as late
+    as its users allow (``needed``; the graph's end for what only reaches the outputs).
+    Compute ops keep their order: they are the clock."""
+    ready: dict[torch.fx.Node, float] = {}
+    for i, n in enumerate(nodes):
+        ready[n] = before[i + 1] if flops[i] is not None else max((ready[a] for a in n.all_input_nodes), default=0.0)
+    needed: dict[torch.fx.Node, float] = {}
+    for i in range(len(nodes) - 1, -1, -1):
+        n = nodes[i]
+        needed[n] = before[i] if flops[i] is not None else min((needed[u] for u in n.users), default=before[-1])
+    return ready, needed
 
 
 def _wait_index(node: torch.fx.Node, nodes: list[torch.fx.Node], at: int) -> int:
