@@ -26,7 +26,10 @@ sys.path.insert(0, str(ROOT))
 
 STRATEGIES = {"DP": dict(mesh="dp=2"), "ZeRO-1 (distributed optimizer)": dict(mesh="dp=2", zero=1,
                                                                              distributed_optimizer=True),
-              "ZeRO-3": dict(mesh="dp=2", zero=3)}
+              "ZeRO-3": dict(mesh="dp=2", zero=3),
+              # the updated shards gathered at the next step's start (needs the overlap passes: on only)
+              "ZeRO-1, gather in the next step (--overlap-param-gather)": dict(
+                  mesh="dp=2", zero=1, distributed_optimizer=True, overlap_param_gather=True)}
 # big enough that the gradient reductions take time next to the compute: 12.7M parameters
 MODEL = ["model.vocab_size=4096", "model.d_model=512", "model.n_heads=8", "model.n_layers=4", "model.max_seq_len=128",
          "train.seq_len=128", "train.micro_batch_size=4", "train.global_batch_size=8", "train.compile=true",
@@ -46,7 +49,7 @@ def worker(steps: int) -> None:
 
     rows = []
     for name, parallel in STRATEGIES.items():
-        for on in (False, True):
+        for on in (True,) if parallel.get("overlap_param_gather") else (False, True):
             cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), MODEL)
             cfg = dataclasses.replace(cfg, parallel=ParallelConfig(**parallel, bucket_size=cfg.parallel.bucket_size,
                                                                    overlap_comm=on))

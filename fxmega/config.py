@@ -128,6 +128,10 @@ class ParallelConfig:
     # inductor reorders collectives to overlap compute: each one issued once its inputs exist, its
     # wait sunk to its first use (Megatron: --overlap-grad-reduce, --overlap-param-gather)
     overlap_comm: bool = False
+    # ZeRO-1/2: the updated shards are all-gathered at the start of the next step, each bucket's
+    # wait just before the first layer that reads it, instead of at the end of this one
+    # (Megatron: --overlap-param-gather); parameters are made whole before anything else reads them
+    overlap_param_gather: bool = False
     # tensor-parallel matmuls split into chunks so their sequence-parallel all-gathers and
     # reduce-scatters overlap the chunks' compute (torch's micro-pipelined TP on symmetric
     # memory; Megatron: --tp-comm-overlap); CUDA only
@@ -370,6 +374,10 @@ def _validate(cfg: RunConfig, dp: int | None) -> None:
              f"parallel.overlap_comm=true needs inductor's scheduler (train.compile=true, train.compile_backend="
              f"inductor); with compile={t.compile}, backend {t.compile_backend!r} the ops run in traced order: "
              f"set parallel.overlap_comm=false or compile with inductor")
+    _require(not p.overlap_param_gather or p.overlap_comm,
+             "parallel.overlap_param_gather=true moves the parameter all-gather to the start of the next step so "
+             "that inductor's overlap passes can hide it behind the forward; without parallel.overlap_comm=true "
+             "nothing moves its waits: set parallel.overlap_comm=true (--overlap-comm) as well")
     _require(not p.async_tp or (t.compile and t.compile_backend == "inductor"),
              f"parallel.async_tp=true is an inductor pass (it rewrites all-gather + matmul and matmul + "
              f"reduce-scatter); with compile={t.compile}, backend {t.compile_backend!r}: compile with inductor or "

@@ -110,6 +110,9 @@ GROUPS: dict[str, list[Flag]] = {
         Flag("--overlap-comm", "let inductor issue each collective as soon as its inputs exist and wait only where "
              "its result is used (Megatron's --overlap-grad-reduce and --overlap-param-gather)",
              switch="parallel.overlap_comm=true"),
+        Flag("--overlap-param-gather", "ZeRO-1/2: all-gather the updated shards at the start of the next step, "
+             "each bucket waited for just before the layers that read it (needs --overlap-comm; Megatron's flag)",
+             switch="parallel.overlap_param_gather=true"),
         Flag("--tp-comm-overlap", "split tensor-parallel matmuls so sequence parallelism's all-gathers and "
              "reduce-scatters overlap them (torch's async TP; CUDA only; Megatron's flag)",
              switch="parallel.async_tp=true"),

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from fxmega.sharding.collectives import kernels_before_waits
 from fxmega.sharding.inspect import _GRAPH_HOOKS, Collective, collectives_in
 
 KINDS = {"cpp": "fused C++", "triton": "Triton", "extern": "extern", "aten": "aten fallback", "op": "custom op",
@@ -111,6 +112,9 @@ class GraphDump:
     collectives: list[Collective]
     code_collectives: int | None  # collective calls in the output code
     note: str = ""
+    # per collective call of the output code, in issue order: its op and the compute kernels
+    # between its start and its wait (inductor's final order; 0: exposed)
+    code_hidden: list[tuple[str, int]] | None = None
 
 
 def _op_name(node: torch.fx.Node) -> str:
@@ -180,7 +184,8 @@ def dump_kernels(directory: str | Path, rank: int = 0,
         kernels = parse_output_code(code) if code is not None else []
         dump = GraphDump(n, backend, kind, len(graph.nodes) if graph is not None else 0, files, kernels,
                          collectives_in(graph) if graph is not None else [],
-                         sum(k.kind == "collective" for k in kernels) if code is not None else None)
+                         sum(k.kind == "collective" for k in kernels) if code is not None else None,
+                         code_hidden=kernels_before_waits(code) if code is not None else None)
         dumps.append(dump)
         return dump
 
@@ -216,7 +221,8 @@ def dump_kernels(directory: str | Path, rank: int = 0,
 
 def _collective_row(c: Collective, labels: dict[str, str]) -> dict:
     return {"op": c.op, "shape": list(c.shape), "itemsize": c.itemsize, "bytes": c.bytes, "group": c.group,
-            "group_size": c.group_size, "axis": labels.get(c.group, c.group)}
+            "group_size": c.group_size, "axis": labels.get(c.group, c.group), "ops_before_wait": c.ops_between,
+            "gflop_before_wait": c.flops_between / 1e9}
 
 
 def write_indexes(directory: Path, rank: int, dumps: list[GraphDump], labels: dict[str, str]) -> None:
@@ -247,10 +253,19 @@ def write_indexes(directory: Path, rank: int, dumps: list[GraphDump], labels: di
             calls = g["code_collectives"]
             lines += ["Collectives in FX-graph order" + (f" (the output code calls {calls})" if calls is not None
                                                        else "") + ":", "",
-                      "| # | collective | input shape | bytes/elem | bytes | group | mesh axes |",
-                      "|---|---|---|---|---|---|---|"]
+                      "| # | collective | input shape | bytes/elem | bytes | group | mesh axes | compute ops before "
+                      "its wait | GFLOP before its wait |",
+                      "|---|---|---|---|---|---|---|---|---|"]
             lines += [f"| {i} | {c['op']} | {tuple(c['shape'])} | {c['itemsize']} | {c['bytes']} | {c['group']} | "
-                      f"{c['axis']} |" for i, c in enumerate(g["collectives"])]
+                      f"{c['axis']} | {c['ops_before_wait']} | {c['gflop_before_wait']:.3g} |"
+                      for i, c in enumerate(g["collectives"])]
+            lines.append("")
+        if g["code_hidden"]:
+            exposed = sum(n == 0 for _, n in g["code_hidden"])
+            lines += [f"In the output code (inductor's final order), {exposed} of {len(g['code_hidden'])} collective "
+                      f"calls have no kernel between their start and their wait:", "",
+                      "| # | collective call | kernels before its wait |", "|---|---|---|"]
+            lines += [f"| {i} | {op} | {n} |" for i, (op, n) in enumerate(g["code_hidden"])]
             lines.append("")
     (out / "index.md").write_text("\n".join(lines))
     # the ranks dumped so far (each rank rewrites the list; the last one to finish lists all)

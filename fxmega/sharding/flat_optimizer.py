@@ -134,14 +134,19 @@ class FlatOptimizerShards:
             out += [p.to(grads[s.tensor].dtype) for p, s in zip(pieces, b.segments)]
         return out
 
-    def all_gather(self, segments: list[torch.Tensor], shapes: list[tuple[int, ...]]) -> dict[int, torch.Tensor]:
+    def all_gather(self, segments: list[torch.Tensor], shapes: list[tuple[int, ...]],
+                   forward_order: bool = False) -> dict[int, torch.Tensor]:
         """The segments of every rank gathered back into per-parameter tensors of local
-        ``shapes``: parameter index -> tensor (the whole ones are the segments themselves)."""
+        ``shapes``: parameter index -> tensor (the whole ones are the segments themselves).
+        One all-gather per bucket, in bucket (backward) order or, ``forward_order``, reversed."""
         out = {s.tensor: t for s, t in zip(self.segments[:self.n_whole], segments[:self.n_whole])}
-        at = self.n_whole
+        starts, at = [], self.n_whole
         for b in self.buckets:
-            mine = segments[at:at + len(b.segments)]
+            starts.append(at)
             at += len(b.segments)
+        order = list(zip(self.buckets, starts))
+        for b, at in order[::-1] if forward_order else order:
+            mine = segments[at:at + len(b.segments)]
             parts = [t.reshape(-1) for t in mine]
             if b.pad:  # zeros like any segment (a rank owns at least one element of the model)
                 parts.append(segments[0].new_zeros(b.pad))

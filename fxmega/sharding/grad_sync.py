@@ -127,18 +127,32 @@ class GradientSync:
             return self.flat.views(flat)
         return [p if sl is None else p.narrow(*sl) for p, sl in zip(flat, self._opt_slices)]
 
-    def refresh_params(self, flat: list[torch.Tensor], views: list[torch.Tensor]) -> None:
-        """After a ZeRO-1/2 update: all-gather the updated shards back into every replica."""
+    def gathered_params(self, flat: list[torch.Tensor], views: list[torch.Tensor],
+                        forward_order: bool = False) -> list[torch.Tensor]:
+        """The parameters with ZeRO-1/2's updated shards (``views``) all-gathered: new tensors
+        for the gathered ones, ``flat``'s own for the rest. Buckets go in backward order (the
+        gradients'), or with ``forward_order`` in the order the forward reads them — the
+        first layers' first (``parallel.overlap_param_gather``: the gathers share a link, so
+        the one needed first is sent first)."""
+        out = list(flat)
         if self.flat is not None:
-            full = self.flat.all_gather(views, [p.shape for p in flat])
+            full = self.flat.all_gather(views, [p.shape for p in flat], forward_order)
             for b in self.flat.buckets:
                 for i in b.members:
-                    flat[i].copy_(full[i])
-            return
-        full = self._run(self._refresh, views)
-        for _, _, _, members, _ in self._refresh:
+                    out[i] = full[i]
+            return out
+        schedule = self._refresh[::-1] if forward_order else self._refresh
+        full = self._run(schedule, views)
+        for _, _, _, members, _ in schedule:
             for i in members:
-                flat[i].copy_(full[i])
+                out[i] = full[i]
+        return out
+
+    def refresh_params(self, flat: list[torch.Tensor], views: list[torch.Tensor]) -> None:
+        """After a ZeRO-1/2 update: all-gather the updated shards back into every replica."""
+        for p, full in zip(flat, self.gathered_params(flat, views)):
+            if full is not p:
+                p.copy_(full)
 
     def init_opt_moments(self, device: torch.device | str) -> list[torch.Tensor]:
         """One AdamW moment of this rank: zeros shaped as its optimizer views."""

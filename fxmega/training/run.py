@@ -67,6 +67,17 @@ def check_compute(cfg: RunConfig, parallel: Parallel | None, device: torch.devic
             raise ConfigError(f"parallel.async_tp=true overlaps tensor parallelism's collectives; this mesh has "
                               f"tp={tp}: give the mesh a tp axis (e.g. --mesh dp=1,tp=2) or set "
                               f"parallel.async_tp=false")
+    if cfg.parallel.overlap_param_gather:
+        zero = 0 if parallel is None else parallel.plan.zero
+        if zero not in (1, 2):
+            raise ConfigError(f"parallel.overlap_param_gather=true defers ZeRO-1/2's all-gather of the updated "
+                              f"shards; this run has ZeRO-{zero}" + (" on one device" if parallel is None else "")
+                              + ": set parallel.zero=1 (or 2) on a mesh with a data axis, or "
+                                "parallel.overlap_param_gather=false")
+        if parallel.plan.pipeline is not None:
+            raise ConfigError("parallel.overlap_param_gather=true is not supported with pipeline parallelism yet "
+                              "(the stages' forwards run in torch's schedule, outside the step's graph): set "
+                              "parallel.overlap_param_gather=false")
     if cfg.data.pack and not getattr(model, "CONTEXT_PARALLEL", False):
         raise ConfigError(f"data.pack=true restarts the positions in every packed conversation; the "
                           f"{family_name(cfg.model)} model does not take a position per token (GPT, Llama and "
@@ -140,6 +151,9 @@ class Run:
         if self.pipelined:  # PipelineStage registers the stage's parameters as nn.Parameters (same storage)
             params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), params)
         self.state = TrainState(params, opt_state, scaler=precision.scaler_for(cfg.compute, self.device))
+        # parallel.overlap_param_gather: after a step only this rank's optimizer shards are current
+        # in its parameters until the next step (or ``params``) gathers them
+        self._params_stale = False
         self._checkpointer: checkpoint.Checkpointer | None = None
         self._prefetcher: Prefetcher | None = None  # ``prefetch``: the next steps' input, built ahead
         zero3_regather = parallel is not None and parallel.gathers_params and parallel.regather
@@ -163,7 +177,8 @@ class Run:
             self.loss_sum = loss_sum  # (flat params, batch) -> summed loss: what the steps differentiate
             self.train_step = TrainStep(loss_sum, decay, hyper, cfg.optim.clip_grad, compile=t.compile,
                                         parallel=parallel, backend=t.compile_backend, options=options,
-                                        sign_rates=sign_rates, meter_size=meter_size)
+                                        sign_rates=sign_rates, meter_size=meter_size,
+                                        gather_params_first=cfg.parallel.overlap_param_gather)
             self.eval_step = EvalStep(loss_sum, compile=t.compile, backend=t.compile_backend)
         self._local_paths = tree.paths(self.local_specs)  # what a non-finite report names
         self._rank = 0 if parallel is None else parallel.rank
@@ -172,7 +187,22 @@ class Run:
         self.train_data, self.valid_data, self.tokenizer = self.data.train, self.data.valid, self.data.tokenizer
 
     # the state's fields, read and written through the run (checkpoints, generation, tests)
-    params, opt_state, step = _StateField(), _StateField(), _StateField()
+    opt_state, step = _StateField(), _StateField()
+
+    @property
+    def params(self) -> tree.Tree:
+        """This rank's parameters, whole. Under ``parallel.overlap_param_gather`` the last
+        step's updated shards are gathered into every replica first (eagerly: what the next
+        step's graph would have done), so evaluation, checkpoints and samples read current values."""
+        if self._params_stale:
+            self.train_step.gather_params(tree.leaves(self.state.params))
+            self._params_stale = False
+        return self.state.params
+
+    @params.setter
+    def params(self, value: tree.Tree) -> None:
+        self.state.params = value
+        self._params_stale = False
     skipped_steps, scaler = _StateField(), _StateField()
 
     def host_batch(self, step: int) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
@@ -209,6 +239,7 @@ class Run:
         with kernels.use(self.cfg.compute.kernels):
             s.params, s.opt_state, metrics = self.train_step(s.params, s.opt_state, to_device(micros, self.device), lr,
                                                              n_tokens, loss_scale=scale)
+        self._params_stale = self.cfg.parallel.overlap_param_gather
         if self.scaler is not None:
             self.scaler.update(metrics["finite"])
         s.step += 1

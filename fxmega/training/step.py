@@ -59,6 +59,20 @@ def trainable(params: tree.Tree) -> tree.Tree:
     return params
 
 
+class _GatheredValue(torch.autograd.Function):
+    """``full``'s value (a view: no kernel); backward, the gradient goes to ``p``, the
+    parameter ``full`` was gathered from."""
+
+    @staticmethod
+    def forward(ctx, p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        return full.view_as(full)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        with backward_phase():  # one backward region with the step's other custom backwards
+            return grad, None
+
+
 class TrainStep:
     """A compiled (or eager) training step over flat parameter lists.
 
@@ -74,10 +88,14 @@ class TrainStep:
 
     def __init__(self, loss_sum_fn: LossSumFn, decay: list[bool], hyper: AdamWHyper, clip_grad: float,
                  compile: bool = True, parallel: Parallel | None = None, backend: str = "inductor",
-                 options: dict | None = None, sign_rates: tuple[float, ...] = (), meter_size: int = 0) -> None:
+                 options: dict | None = None, sign_rates: tuple[float, ...] = (), meter_size: int = 0,
+                 gather_params_first: bool = False) -> None:
         self.loss_sum_fn = loss_sum_fn
         self.meter_size = meter_size  # > 0: the model's layers report statistics (``aux_loss.measure``)
-        self.update = Update(hyper, decay, clip_grad, sign_rates)
+        # ZeRO-1/2's all-gather of the updated shards at the start of the next step's first graph
+        # (``parallel.overlap_param_gather``) rather than at the end of the update
+        self.gather_params_first = gather_params_first
+        self.update = Update(hyper, decay, clip_grad, sign_rates, refresh=not gather_params_first)
         self.parallel = parallel
         self.compiled = compile
         self._accum_buffers: list[torch.Tensor] | None = None
@@ -91,24 +109,49 @@ class TrainStep:
 
     # -- the two graphs ---------------------------------------------------------------
     def _loss_and_grads(self, flat_params: list[torch.Tensor], batch: dict[str, torch.Tensor],
-                        inv_tokens: torch.Tensor, meter: torch.Tensor | None
-                        ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+                        inv_tokens: torch.Tensor, meter: torch.Tensor | None, gather: bool = False,
+                        accumulating: bool = False) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
         # The parameters are leaf tensors that require grad, so no requires_grad_() is
         # traced (torch 2.11's dynamo cannot trace it; 2.13's can). So is the meter.
+        used = self._gathered(flat_params) if gather else flat_params
         with aux_loss.gradient_scale(inv_tokens), aux_loss.metering(meter):  # MoE terms weigh like the loss
-            loss_sum = self.loss_sum_fn(flat_params, batch)
+            loss_sum = self.loss_sum_fn(used, batch)
         wrt = flat_params if meter is None else [*flat_params, meter]
         with backward_phase():
             grads = list(torch.autograd.grad(loss_sum * inv_tokens, wrt))
         stats = grads.pop().detach() if meter is not None else loss_sum.new_zeros(0)  # the layers' statistics, summed
         if self.parallel is not None:
             grads = self.parallel.grads.micro_grads(grads)
+        if gather and accumulating:  # the step's later micro batches read the inputs: make them whole
+            with torch.no_grad():
+                for p, full in zip(flat_params, used):
+                    if full is not p:
+                        p.copy_(full)
         return loss_sum.detach(), grads, stats
+
+    def gather_params(self, flat_params: list[torch.Tensor]) -> None:
+        """All-gather this rank's updated optimizer shards into every replica, in place (what
+        the update does last unless ``gather_params_first``)."""
+        with torch.no_grad():
+            self.parallel.grads.refresh_params(flat_params, self.parallel.grads.opt_views(flat_params))
+
+    def _gathered(self, flat_params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The parameters the forward reads under ``gather_params_first``: the buckets'
+        gathers, first layers first, as new tensors rather than copied into the inputs
+        (inductor fuses copies into the inputs into one kernel that waits for every gather
+        before the forward's first op), each read through ``_GatheredValue`` — a view, so no
+        kernel ties a later layer's bucket to an earlier layer's compute — whose gradient
+        goes to the leaf ``p``. The inputs keep only this rank's shards current;
+        ``gather_params`` refreshes them."""
+        grads = self.parallel.grads
+        with torch.no_grad():
+            gathered = grads.gathered_params(flat_params, grads.opt_views(flat_params), forward_order=True)
+        return [p if full is p else _GatheredValue.apply(p, full) for p, full in zip(flat_params, gathered)]
 
     def _accumulate_fn(self, flat_params: list[torch.Tensor], accum: list[torch.Tensor],
                        batch: dict[str, torch.Tensor], inv_tokens: torch.Tensor,
-                       meter: torch.Tensor | None) -> list[torch.Tensor]:
-        loss_sum, grads, stats = self._loss_and_grads(flat_params, batch, inv_tokens, meter)
+                       meter: torch.Tensor | None, gather: bool = False) -> list[torch.Tensor]:
+        loss_sum, grads, stats = self._loss_and_grads(flat_params, batch, inv_tokens, meter, gather, accumulating=True)
         with torch.no_grad():
             torch._foreach_add_(accum, grads)
         return [loss_sum, stats]
@@ -116,8 +159,8 @@ class TrainStep:
     def _update_fn(self, flat_params: list[torch.Tensor], opt_state: dict, accum: list[torch.Tensor] | None,
                    batch: dict[str, torch.Tensor], inv_tokens: torch.Tensor, lr: torch.Tensor,
                    norm_weights: torch.Tensor | None, unscale: torch.Tensor | None,
-                   meter: torch.Tensor | None) -> list[torch.Tensor]:
-        loss_sum, grads, stats = self._loss_and_grads(flat_params, batch, inv_tokens, meter)
+                   meter: torch.Tensor | None, gather: bool = False) -> list[torch.Tensor]:
+        loss_sum, grads, stats = self._loss_and_grads(flat_params, batch, inv_tokens, meter, gather)
         par = self.parallel
         with torch.no_grad():
             if accum is not None:
@@ -156,16 +199,18 @@ class TrainStep:
         meter = torch.zeros(self.meter_size, device=device, requires_grad=True) if self.meter_size else None
         stats = torch.zeros(self.meter_size, device=device)
         accum = None
+        gather = self.gather_params_first  # in the step's first graph (a bool: each value compiles once)
         if len(micro_batches) > 1:
             accum = self._accumulation_buffers(flat)
             for batch in micro_batches[:-1]:
-                micro_loss, micro_stats = self._accumulate(flat, accum, batch, grad_weight, meter)
+                micro_loss, micro_stats = self._accumulate(flat, accum, batch, grad_weight, meter, gather)
                 loss_sum, stats = loss_sum + micro_loss, stats + micro_stats
+                gather = False
         if self.parallel is not None and len(micro_batches) > 1:
             loss_sum = self.parallel.groups.sum_over_tokens(loss_sum)  # the update graph sums only its own
         last_loss, last_stats, grad_norm, finite, bad = self._update(flat, opt_state, accum, micro_batches[-1],
                                                                      grad_weight, lr_t, self._norm_weights, unscale,
-                                                                     meter)
+                                                                     meter, gather)
         loss = (loss_sum + last_loss) * inv_tokens
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "nonfinite_grads": bad}
         if meter is not None:  # every data rank's layers and micro batches (tp ranks hold the same)

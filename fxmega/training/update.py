@@ -33,6 +33,9 @@ class Update:
     decay: list[bool]
     clip_grad: float
     sign_rates: tuple[float, ...] = ()
+    # ZeRO-1/2: all-gather the updated shards into every replica at the end (False: the next
+    # step gathers them first, ``parallel.overlap_param_gather``)
+    refresh: bool = True
 
     def __call__(self, flat: list[torch.Tensor], grads: Grads, opt_state: dict, lr: torch.Tensor,
                  parallel: Parallel | None = None, norm_weights: torch.Tensor | None = None,
@@ -69,7 +72,7 @@ class Update:
             adamw_update(targets, grads, opt_state, lr, self.hyper, [self.decay[i] for i in owners],
                          apply=finite.float())
             sign_update_([targets[k] for k in counted], loads, [rates[k] for k in counted], finite.float())
-            if parallel is not None:
+            if parallel is not None and self.refresh:
                 parallel.grads.refresh_params(flat, targets)
             bad = ~torch.isfinite(norms)
             if owners != list(range(len(flat))):  # per parameter: its one segment here, or none
