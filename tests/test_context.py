@@ -129,8 +129,8 @@ def test_attention_blocks_merge_to_whole_attention(fused):
 
 
 # ---- cp meshes equal one device -------------------------------------------------------------
-# name -> (model, parallel settings, ranks); sequence 1024 (the tiny models' 64 positions
-# raised to it), global batch of 4 in micro batches of 2
+# name -> (model, parallel settings, ranks); sequence 256 (the tiny models' 64 positions
+# raised to it: 2 x cp chunks of 32 tokens or more), global batch of 4 in micro batches of 2
 CP_RUNS = {
     # each attention mode on cp=2, GPT and Llama (grouped-query attention)
     "gpt_cp2": ("tiny_gpt", dict(mesh="cp=2"), 2),
@@ -142,7 +142,7 @@ CP_RUNS = {
     "gpt_cp2_ring": ("tiny_gpt", dict(mesh="cp=2", cp_attention="ring"), 2),
     # long-context memory: full recompute and the chunked loss on each rank's chunks
     "llama_cp2_ring_recompute_chunked": ("tiny_llama", dict(mesh="cp=2", cp_attention="ring"), 2,
-                                         ("compute.recompute=full", "compute.loss_chunk=256")),
+                                         ("compute.recompute=full", "compute.loss_chunk=64")),
     # cp=4 in every mode: all-gather and ring (Llama), a2a (GPT: its 4 heads over 4 ranks)
     "llama_cp4": ("tiny_llama", dict(mesh="cp=4"), 4),
     "llama_cp4_ring": ("tiny_llama", dict(mesh="cp=4", cp_attention="ring"), 4),
@@ -160,17 +160,25 @@ CP_RUNS = {
 # fsdp run gathers parameters the same way), a2a with dp and ring with pp (the data and
 # pipeline axes do not see the attention mode), the GPT on cp=4 with all-gather (the Llama's).
 CP_STEPS = 2  # step 1's gradients, and the parameters after step 2
-LONG = ("train.seq_len=1024", "model.max_seq_len=1024", "train.global_batch_size=4", "train.micro_batch_size=2")
+LONG = ("train.seq_len=256", "model.max_seq_len=256", "train.global_batch_size=4", "train.micro_batch_size=2")
 
 
-# compiled with inductor (fused C++ kernels) once; the others with aot_eager (the same graph
-# and collectives, op by op: seconds to compile instead of a minute)
+# Compiled with inductor (fused C++ kernels): all-gather and ring attention on cp=2. Traced
+# with aot_eager: all-to-all attention (so every mode is traced once), and two runs that
+# fail eager in torch.utils.checkpoint's backward — full recompute of the ring (the
+# recomputed attention's saved tensors have another layout) and fsdp's selective
+# checkpoint around cp attention ("aten.mul.Scalar encountered during backward but not
+# found in storage"); compiled they equal one device. The rest eager: the same ops and
+# collectives without tracing the step on every rank (two cores, four ranks: the traces
+# were most of this file's 6.5 minutes).
 INDUCTOR_RUNS = ("gpt_cp2", "gpt_cp2_ring")
+AOT_EAGER_RUNS = ("gpt_cp2_a2a", "llama_cp2_ring_recompute_chunked", "gpt_cp2_fsdp2")
 
 
-def _cp_config(model: str, parallel: dict | None = None, inductor: bool = False, compute: tuple = ()):
-    backend = () if inductor else ("train.compile_backend=aot_eager",)
-    return tiny_config(parallel, model=model, extra=(*backend, *LONG, *compute))
+def _cp_config(model: str, parallel: dict | None = None, inductor: bool = False, compute: tuple = (),
+               aot_eager: bool = False):
+    backend = ("train.compile_backend=aot_eager",) if aot_eager else ()
+    return tiny_config(parallel, model=model, compile=inductor or aot_eager, extra=(*LONG, *backend, *compute))
 
 
 def cp_runs(names: list[str]) -> dict | None:
@@ -178,7 +186,7 @@ def cp_runs(names: list[str]) -> dict | None:
 
     def config(name: str):
         model, parallel, _, *compute = CP_RUNS[name]
-        return _cp_config(model, parallel, name in INDUCTOR_RUNS, *compute)
+        return _cp_config(model, parallel, name in INDUCTOR_RUNS, *compute, aot_eager=name in AOT_EAGER_RUNS)
 
     out = {name: train(config(name), CP_STEPS, collectives=False)[1] for name in names}
     return out if torch.distributed.get_rank() == 0 else None
