@@ -328,6 +328,14 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _require_inductor(t: TrainConfig, on: bool, setting: str, why: str) -> None:
+    """A setting that only inductor's compiler carries out, refused elsewhere."""
+    _require(not on or (t.compile and t.compile_backend == "inductor"),
+             f"{setting}=true {why}; this run has train.compile={t.compile}, train.compile_backend="
+             f"{t.compile_backend!r}: compile with inductor (train.compile=true, train.compile_backend=inductor) "
+             f"or set {setting}=false")
+
+
 def _validate(cfg: RunConfig, dp: int | None) -> None:
     model_for(cfg.model)  # the Config of a registered family, or a ConfigError naming those there are
     cfg.model.validate("model")
@@ -370,18 +378,14 @@ def _validate(cfg: RunConfig, dp: int | None) -> None:
     _require(p.zero in (-1, 0, 1, 2, 3), f"parallel.zero={p.zero}: use 0, 1, 2 or 3")
     _require(p.bucket_size >= 0, f"parallel.bucket_size={p.bucket_size} must be zero (one bucket) or positive")
     _require(p.timeout_s > 0, f"parallel.timeout_s={p.timeout_s} must be positive")
-    _require(not p.overlap_comm or (t.compile and t.compile_backend == "inductor"),
-             f"parallel.overlap_comm=true needs inductor's scheduler (train.compile=true, train.compile_backend="
-             f"inductor); with compile={t.compile}, backend {t.compile_backend!r} the ops run in traced order: "
-             f"set parallel.overlap_comm=false or compile with inductor")
+    _require_inductor(t, p.overlap_comm, "parallel.overlap_comm",
+                      "needs inductor's scheduler (elsewhere the ops run in traced order)")
     _require(not p.overlap_param_gather or p.overlap_comm,
              "parallel.overlap_param_gather=true moves the parameter all-gather to the start of the next step so "
              "that inductor's overlap passes can hide it behind the forward; without parallel.overlap_comm=true "
              "nothing moves its waits: set parallel.overlap_comm=true (--overlap-comm) as well")
-    _require(not p.async_tp or (t.compile and t.compile_backend == "inductor"),
-             f"parallel.async_tp=true is an inductor pass (it rewrites all-gather + matmul and matmul + "
-             f"reduce-scatter); with compile={t.compile}, backend {t.compile_backend!r}: compile with inductor or "
-             f"set parallel.async_tp=false")
+    _require_inductor(t, p.async_tp, "parallel.async_tp",
+                      "is an inductor pass (it rewrites all-gather + matmul and matmul + reduce-scatter)")
     _require(not p.async_tp or p.sequence_parallel,
              "parallel.async_tp=true overlaps sequence parallelism's all-gathers and reduce-scatters with the "
              "matmuls they feed; without parallel.sequence_parallel=true tp reduces by all-reduce, which it does "
