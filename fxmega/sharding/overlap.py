@@ -7,9 +7,10 @@ a bucket's reduction right after its last gradient, while the backward of earlie
 still runs) and each wait down to just before the first use of its result
 (``sink_waits``). That is Megatron's ``--overlap-grad-reduce`` / ``--overlap-param-gather``
 done by the compiler on the whole graph: ZeRO's gathers and reduce-scatters, tp's and the
-data axes' collectives alike. No pass of fxmega's own is needed: with them on, every
-gradient reduction of the tiny GPT on dp=2 has compute before its wait
-(``collectives.kernels_before_waits``; tests/test_overlap.py).
+data axes' collectives alike: with them on, the tiny GPT's gradient reductions on dp=2 have
+compute before their waits (``collectives.kernels_before_waits``; tests/test_overlap.py).
+One pass is fxmega's own, ``bound_gather_prefetch``: it keeps all-gathers one piece ahead,
+which ``raise_comms`` does not (see there).
 
 Async tensor parallelism (``parallel.async_tp``) is inductor's micro-pipeline TP pass: each
 sequence-parallel all-gather feeding a matmul, and each matmul feeding a reduce-scatter, is
