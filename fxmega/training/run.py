@@ -188,6 +188,7 @@ class Run:
 
     # the state's fields, read and written through the run (checkpoints, generation, tests)
     opt_state, step = _StateField(), _StateField()
+    skipped_steps, scaler = _StateField(), _StateField()
 
     @property
     def params(self) -> tree.Tree:
@@ -203,7 +204,6 @@ class Run:
     def params(self, value: tree.Tree) -> None:
         self.state.params = value
         self._params_stale = False
-    skipped_steps, scaler = _StateField(), _StateField()
 
     def host_batch(self, step: int) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
         """Step ``step``'s input on the host: this rank's micro batches (pinned on CUDA, for
