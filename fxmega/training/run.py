@@ -24,7 +24,7 @@ from fxmega.inference.generate_parallel import generate_on_mesh
 from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq, is_encoder_decoder
 from fxmega.models import family_name, loss_by_pieces, model_for
 from fxmega.models.registry import ModelFamily
-from fxmega.ops import aux_loss, kernels, recompute
+from fxmega.ops import aux_loss, kernels, recompute, tied_embedding_grad
 from fxmega.ops.init import init_params
 from fxmega.sharding import overlap
 from fxmega.sharding.runtime import Parallel
@@ -157,11 +157,12 @@ class Run:
         self._checkpointer: checkpoint.Checkpointer | None = None
         self._prefetcher: Prefetcher | None = None  # ``prefetch``: the next steps' input, built ahead
         zero3_regather = parallel is not None and parallel.gathers_params and parallel.regather
-        options = recompute.inductor_options(cfg.compute.recompute != "none" or zero3_regather)
+        options = {**tied_embedding_grad.inductor_options(),
+                   **(recompute.inductor_options(cfg.compute.recompute != "none" or zero3_regather) or {})}
         if cfg.parallel.overlap_comm or cfg.parallel.async_tp:
-            options = {**(options or {}), **overlap.inductor_options(cfg.parallel)}
+            options |= overlap.inductor_options(cfg.parallel)
         if t.cuda_graphs:  # the state lives at fixed addresses, so the captured graphs update it in place
-            options = {**(options or {}), "triton.cudagraphs": True}
+            options["triton.cudagraphs"] = True
             for tensor in [*tree.leaves(params), opt_state["step"], *opt_state["exp_avg"], *opt_state["exp_avg_sq"]]:
                 torch._dynamo.mark_static_address(tensor)
         # a mixture of experts reports its routers' statistics through the step (aux_loss.measure)
