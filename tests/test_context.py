@@ -143,6 +143,7 @@ CP_RUNS = {
     # long-context memory: full recompute and the chunked loss on each rank's chunks
     "llama_cp2_ring_recompute_chunked": ("tiny_llama", dict(mesh="cp=2", cp_attention="ring"), 2,
                                          ("compute.recompute=full", "compute.loss_chunk=64")),
+    "gpt_cp2_recompute": ("tiny_gpt", dict(mesh="cp=2"), 2, ("compute.recompute=selective",)),  # eager, below
     # cp=4 in every mode: all-gather and ring (Llama), a2a (GPT: its 4 heads over 4 ranks)
     "llama_cp4": ("tiny_llama", dict(mesh="cp=4"), 4),
     "llama_cp4_ring": ("tiny_llama", dict(mesh="cp=4", cp_attention="ring"), 4),
@@ -165,15 +166,15 @@ LONG = ("train.seq_len=256", "model.max_seq_len=256", "train.global_batch_size=4
 
 # Compiled with inductor (fused C++ kernels): ring attention on cp=2, the mode with the most
 # of its own (the blocks' log-sum-exp merge, their backward). Traced with aot_eager:
-# all-gather and all-to-all attention (so every mode is traced once), and two runs that
-# fail eager in torch.utils.checkpoint's backward — full recompute of the ring (the
-# recomputed attention's saved tensors have another layout) and fsdp's selective
-# checkpoint around cp attention ("aten.mul.Scalar encountered during backward but not
-# found in storage"); compiled they equal one device. The rest eager: the same ops and
+# all-gather and all-to-all attention, so every mode is traced once, and full recompute of
+# the ring (recompute traced inside the forward's layout). The rest eager: the same ops and
 # collectives without tracing the step on every rank (two cores, four ranks: the traces
-# were most of this file's 6.5 minutes).
+# were most of this file's 6.5 minutes) — among them selective recompute on cp=2 and fsdp's
+# checkpoint around cp attention, which recompute in the backward under the forward's
+# activation layout (``recompute.in_forward_layout``; before it, eager recompute ran
+# unsharded attention and torch.utils.checkpoint refused the result).
 INDUCTOR_RUNS = ("gpt_cp2_ring",)
-AOT_EAGER_RUNS = ("gpt_cp2", "gpt_cp2_a2a", "llama_cp2_ring_recompute_chunked", "gpt_cp2_fsdp2")
+AOT_EAGER_RUNS = ("gpt_cp2", "gpt_cp2_a2a", "llama_cp2_ring_recompute_chunked")
 
 
 def _cp_config(model: str, parallel: dict | None = None, inductor: bool = False, compute: tuple = (),

@@ -28,6 +28,8 @@ import torch
 import torch.fx.traceback
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from fxmega.sharding import layout
+
 _ops = torch.ops
 # Kept under selective recompute: matmuls, and collectives that reduce (recomputing them
 # would repeat communication). Gathers are always recomputed (ZeRO-3 relies on it).
@@ -86,13 +88,31 @@ def mode_for_block(mode: str, index: int, first_n: int) -> str:
     return mode if (first_n == 0 or index < first_n) else "none"
 
 
+def in_forward_layout(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run under the activation layout active now (``fxmega.sharding.layout``), also
+    when ``torch.utils.checkpoint`` runs it again in the backward, where the step's forward
+    has left its layout: without it an eager recompute runs unsharded attention in place of
+    the context-parallel one, and the checkpoint refuses tensors of other shapes. A
+    compiled step traces the recompute inside the forward's layout (and dynamo refuses the
+    layout's global switch inside a checkpoint), so there ``fn`` is returned as it is."""
+    forward_layout = layout.active()
+    if forward_layout is None or torch.compiler.is_compiling():
+        return fn
+
+    def run(*args: Any) -> Any:
+        with layout.activate(forward_layout):
+            return fn(*args)
+
+    return run
+
+
 def checkpointed(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
     """``fn`` with its activations recomputed in the backward as ``mode`` says."""
     if mode == "none":
         return fn
 
     def run(*args: Any) -> Any:
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=CONTEXTS[mode])
+        return checkpoint(in_forward_layout(fn), *args, use_reentrant=False, context_fn=CONTEXTS[mode])
 
     return run
 

@@ -134,4 +134,5 @@ def gathered_call(fn: Callable[..., Any], leaves: list[torch.Tensor], dims: list
             raise ValueError("parallel.zero3_regather=false keeps gathered parameters for measurements; "
                              "it does not combine with compute.recompute")
         return run(*args, *leaves)
-    return checkpoint(run, *args, *leaves, use_reentrant=False, context_fn=_CONTEXTS[recompute])
+    return checkpoint(block_recompute.in_forward_layout(run), *args, *leaves, use_reentrant=False,
+                      context_fn=_CONTEXTS[recompute])
