@@ -171,7 +171,7 @@ LONG = ("train.seq_len=256", "model.max_seq_len=256", "train.global_batch_size=4
 # collectives without tracing the step on every rank (two cores, four ranks: the traces
 # were most of this file's 6.5 minutes) — among them selective recompute on cp=2 and fsdp's
 # checkpoint around cp attention, which recompute in the backward under the forward's
-# activation layout (``recompute.in_forward_layout``; before it, eager recompute ran
+# activation layout (``recompute.in_forward_context``; before it, eager recompute ran
 # unsharded attention and torch.utils.checkpoint refused the result).
 INDUCTOR_RUNS = ("gpt_cp2_ring",)
 AOT_EAGER_RUNS = ("gpt_cp2", "gpt_cp2_a2a", "llama_cp2_ring_recompute_chunked")

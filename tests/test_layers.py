@@ -16,7 +16,7 @@ LAYERS = {
     "building blocks": "ops ops.kernels ops.kernels.triton_ops ops.kernels.triton_norms "
                        "ops.kernels.triton_cross_entropy ops.rope ops.attention_blocks ops.layers ops.losses "
                        "ops.objectives ops.recompute ops.counter_random ops.init ops.routing ops.experts ops.aux_loss "
-                       "ops.moe ops.tied_embedding_grad",
+                       "ops.moe ops.tied_embedding_grad ops.phases",
     "models": "models models.bert models.gpt models.llama models.mixtral models.t5 models.pieces models.registry "
               "models.census models.checks models.classifier",
     "data": "data data.batches data.blend data.classification data.corpus data.gpt_dataset data.indexed data.mlm "

@@ -17,6 +17,7 @@ from fxmega.models import mixtral
 from fxmega.ops import experts, moe, routing
 from fxmega.planning.report import plan_report
 from fxmega.planning.summary import summary
+from fxmega.sharding.activation_layouts import ActivationLayouts
 from fxmega.sharding.mesh import MeshSpec, check_model_mesh
 from fxmega.sharding.plan import format_bytes
 from fxmega.training.run import Run
@@ -204,20 +205,46 @@ EP_RUNS = {
 }
 
 
-def _ep_config(name: str | None = None, *extra: str):
+# Traced with aot_eager, the exchanges read from the graph: the 2-rank runs. The 4-rank ones
+# eager (four ranks tracing the step on two cores were most of this test's two minutes),
+# the exchanges recorded where the layouts choose their mesh axes.
+EP_TRACED = ("ep2", "ep2_capacity")
+
+
+def _ep_config(name: str | None = None, *extra: str, traced: bool = True):
     return tiny_config(None if name is None else EP_RUNS[name][1], model="tiny_moe",
                        extra=("train.compile_backend=aot_eager", *BIAS, "model.moe.n_shared_experts=1",
                               "model.moe.first_dense_layers=1", *QWEN3_ATTENTION, *QWEN2_EXTRAS,
-                              "train.micro_batch_size=2", *extra))
+                              "train.micro_batch_size=2", *extra, *(() if traced else ("train.compile=false",))))
+
+
+def _eager_exchanges(cfg) -> tuple:
+    """``train(cfg)`` eager, with the mesh axes of every all-to-all the layouts make."""
+    exchanged: set[str] = set()
+    choose = ActivationLayouts._exchange_axes
+
+    def recording(self, name: str) -> tuple[str, ...]:
+        axes = choose(self, name)
+        if axes:
+            exchanged.add(",".join(axes))
+        return axes
+
+    with unittest.mock.patch.object(ActivationLayouts, "_exchange_axes", recording):
+        par, result, _ = train(cfg, MOE_STEPS, collectives=False)
+    return par, result, exchanged
 
 
 def ep_runs(names: list[str]) -> dict | None:
     out = {}
     for name in names:
-        par, result, collectives = train(_ep_config(name, *EP_RUNS[name][2]), MOE_STEPS, collectives=True)
+        cfg = _ep_config(name, *EP_RUNS[name][2], traced=name in EP_TRACED)
+        if name in EP_TRACED:
+            par, result, collectives = train(cfg, MOE_STEPS, collectives=True)
+            exchanged = {group for graph in collectives for op, group, *_ in graph if "all_to_all" in op}
+        else:
+            par, result, exchanged = _eager_exchanges(cfg)
         # what each rank holds and exchanges (under pp, rank 0's stage has only the dense block)
-        mine = ({lay.local_shape()[0] for lay in par.shards.layouts if lay.ep_dim is not None},
-                {group for graph in collectives for op, group, *_ in graph if "all_to_all" in op})
+        mine = ({lay.local_shape()[0] for lay in par.shards.layouts if lay.ep_dim is not None}, exchanged)
         everyone: list = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(everyone, mine)
         out[name] = {**result, "expert_rows": set().union(*(e[0] for e in everyone)),
@@ -232,11 +259,12 @@ def test_expert_parallel_meshes_match_one_device(ranks):
     got = run_ranks(ranks, "tests.test_mixtral:ep_runs", names)[0]
     wants: dict = {}
     for name in names:
-        extra = EP_RUNS[name][2]
-        if extra not in wants:
-            wants[extra] = record(Run(_ep_config(None, *extra)), MOE_STEPS)
-        assert_matches_one_device(got[name], wants[extra], _ep_config(None, *extra), name)
-        assert_router_stats_match(got[name], wants[extra], name)
+        extra, traced = EP_RUNS[name][2], name in EP_TRACED
+        if (extra, traced) not in wants:
+            wants[extra, traced] = record(Run(_ep_config(None, *extra, traced=traced)), MOE_STEPS)
+        want = wants[extra, traced]
+        assert_matches_one_device(got[name], want, _ep_config(None, *extra), name)
+        assert_router_stats_match(got[name], want, name)
         ep = MeshSpec.parse(EP_RUNS[name][1]["mesh"]).size("ep")
         assert got[name]["expert_rows"] == {4 // ep}, name  # each rank holds its own experts only ...
         assert got[name]["exchange_groups"] == {"ep"}, name  # ... reached by all-to-all over ep

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 
 import torch
 
-from fxmega.ops.recompute import backward_phase
+from fxmega.ops.phases import backward_phase
 from fxmega.sharding.layout import shard
 
 _SCALE: list[torch.Tensor | None] = [None]
@@ -68,6 +68,19 @@ def metering(meter: torch.Tensor | None) -> Iterator[None]:
         yield
     finally:
         _METER[0] = previous
+
+
+def step_state() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The scale and meter set now (``gradient_scale``, ``metering``), for ``restored``."""
+    return _SCALE[0], _METER[0]
+
+
+@contextmanager
+def restored(state: tuple[torch.Tensor | None, torch.Tensor | None]) -> Iterator[None]:
+    """Inside, the scale and meter are ``state``'s (an eager recompute in the backward runs
+    the forward again after the step has left its ``gradient_scale`` and ``metering``)."""
+    with gradient_scale(state[0]), metering(state[1]):
+        yield
 
 
 def in_step() -> bool:

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from fxmega.core.errors import ConfigError
 from fxmega.ops import kernels
-from fxmega.ops.recompute import backward_phase
+from fxmega.ops.phases import backward_phase
 
 
 def cross_entropy_rows(logits: torch.Tensor, targets: torch.Tensor,

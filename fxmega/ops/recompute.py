@@ -20,14 +20,13 @@ stays one graph with the recompute in it (tests/test_recompute.py measures both)
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx.traceback
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from fxmega.ops import aux_loss
 from fxmega.sharding import layout
 
 _ops = torch.ops
@@ -88,19 +87,21 @@ def mode_for_block(mode: str, index: int, first_n: int) -> str:
     return mode if (first_n == 0 or index < first_n) else "none"
 
 
-def in_forward_layout(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run under the activation layout active now (``fxmega.sharding.layout``), also
-    when ``torch.utils.checkpoint`` runs it again in the backward, where the step's forward
-    has left its layout: without it an eager recompute runs unsharded attention in place of
-    the context-parallel one, and the checkpoint refuses tensors of other shapes. A
-    compiled step traces the recompute inside the forward's layout (and dynamo refuses the
-    layout's global switch inside a checkpoint), so there ``fn`` is returned as it is."""
-    forward_layout = layout.active()
-    if forward_layout is None or torch.compiler.is_compiling():
+def in_forward_context(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run under the activation layout (``fxmega.sharding.layout``) and the auxiliary
+    losses' scale and meter (``fxmega.ops.aux_loss``) active now, also when
+    ``torch.utils.checkpoint`` runs it again in the backward, where the step's forward has
+    left them. Without it an eager recompute ran unsharded attention in place of the
+    context-parallel one, and a mixture of experts without its balancing terms: other ops
+    than the forward's, which the checkpoint refuses. A compiled step traces the recompute
+    inside the forward's context (and dynamo refuses the global switches inside a
+    checkpoint), so there ``fn`` is returned as it is."""
+    forward_layout, forward_losses = layout.active(), aux_loss.step_state()
+    if torch.compiler.is_compiling() or (forward_layout is None and all(s is None for s in forward_losses)):
         return fn
 
     def run(*args: Any) -> Any:
-        with layout.activate(forward_layout):
+        with layout.activate(forward_layout), aux_loss.restored(forward_losses):
             return fn(*args)
 
     return run
@@ -112,7 +113,7 @@ def checkpointed(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
         return fn
 
     def run(*args: Any) -> Any:
-        return checkpoint(in_forward_layout(fn), *args, use_reentrant=False, context_fn=CONTEXTS[mode])
+        return checkpoint(in_forward_context(fn), *args, use_reentrant=False, context_fn=CONTEXTS[mode])
 
     return run
 
@@ -120,12 +121,3 @@ def checkpointed(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
 def plain_call(fn: Callable[..., Any], params: Any, layouts: Any, *args: Any, recompute: str = "none") -> Any:
     """A ``PieceCall`` for one device: run the piece, recomputed as asked."""
     return checkpointed(fn, recompute)(params, *args)
-
-
-def backward_phase() -> Any:
-    """Mark the nodes traced in this block as the step's backward region. Without it the
-    backward of a custom autograd.Function (ZeRO-3's gather, cp's collectives, the chunked
-    loss) is not tagged as backward, the backward splits into disjoint regions, and the
-    recompute pass refuses the graph."""
-    annotate = getattr(torch.fx.traceback, "annotate", None)
-    return annotate({"phase": "backward"}) if annotate is not None else contextlib.nullcontext()

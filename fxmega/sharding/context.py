@@ -21,7 +21,7 @@ import torch.distributed._functional_collectives as funcol
 
 from fxmega.core.errors import ConfigError
 from fxmega.models.registry import ModelFamily
-from fxmega.ops.recompute import backward_phase
+from fxmega.ops.phases import backward_phase
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.ring_attention import ring_attention
 

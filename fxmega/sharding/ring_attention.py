@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from fxmega.ops.attention_blocks import attend_block, attend_block_backward, merge
-from fxmega.ops.recompute import backward_phase
+from fxmega.ops.phases import backward_phase
 
 
 class Ring(Protocol):

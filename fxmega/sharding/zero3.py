@@ -23,7 +23,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fxmega.ops import recompute as block_recompute
-from fxmega.ops.recompute import backward_phase
+from fxmega.ops.phases import backward_phase
 from fxmega.sharding.collectives import all_gather, reduce_scatter
 
 _ops = torch.ops
@@ -38,20 +38,39 @@ _RECOMPUTE = {
     # reshape of a non-contiguous tensor is clone + _unsafe_view, and _unsafe_view is not
     # flagged as a view: kept, it would keep the gathered parameter alive until the backward
     _ops.aten._unsafe_view.default,
+    # tensors made from nothing but a shape: free to make again, and an eager composite may
+    # fill one in place after it is made (F.one_hot: zeros, then scatter_), which a saved
+    # copy refuses ("Tensor cached during selective activation checkpoint has been mutated")
+    _ops.aten.new_zeros.default,
+    _ops.aten.new_ones.default,
+    _ops.aten.new_full.default,
+    _ops.aten.new_empty.default,
+    _ops.aten.zeros_like.default,
+    _ops.aten.ones_like.default,
+    _ops.aten.full_like.default,
+    _ops.aten.empty_like.default,
 }
 
 
+def _recomputed(func: Any, args: tuple) -> bool:
+    """Gathers, their unpacking, views, tensors made from a shape alone (``aten.zeros``,
+    ``aten.arange``: no tensor argument; random draws excepted, which must not be redrawn)
+    and what an eager composite writes into them in place (``scatter_``)."""
+    if func in _RECOMPUTE or getattr(func, "is_view", False) or func._schema.is_mutable:
+        return True
+    made_from_nothing = not any(isinstance(a, torch.Tensor) for a in args)
+    return made_from_nothing and torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ())
+
+
 def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    if func in _RECOMPUTE or getattr(func, "is_view", False):
-        return CheckpointPolicy.MUST_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.MUST_RECOMPUTE if _recomputed(func, args) else CheckpointPolicy.MUST_SAVE
 
 
 def _with_mode(mode: str) -> Callable[..., CheckpointPolicy]:
     """The gather policy combined with a block recompute mode (``fxmega.ops.recompute``): the
     gathers are recomputed in any case; everything else as the mode says."""
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if func in _RECOMPUTE or getattr(func, "is_view", False):
+        if _recomputed(func, args):
             return CheckpointPolicy.MUST_RECOMPUTE
         return block_recompute.POLICIES[mode](ctx, func, *args, **kwargs)
     return policy
@@ -134,5 +153,5 @@ def gathered_call(fn: Callable[..., Any], leaves: list[torch.Tensor], dims: list
             raise ValueError("parallel.zero3_regather=false keeps gathered parameters for measurements; "
                              "it does not combine with compute.recompute")
         return run(*args, *leaves)
-    return checkpoint(block_recompute.in_forward_layout(run), *args, *leaves, use_reentrant=False,
+    return checkpoint(block_recompute.in_forward_context(run), *args, *leaves, use_reentrant=False,
                       context_fn=_CONTEXTS[recompute])

@@ -26,7 +26,7 @@ import torch._dynamo
 from fxmega.core import tree
 from fxmega.ops import aux_loss
 from fxmega.ops.objectives import global_count
-from fxmega.ops.recompute import backward_phase
+from fxmega.ops.phases import backward_phase
 from fxmega.sharding.inspect import aot_eager_backend
 from fxmega.sharding.runtime import Parallel
 from fxmega.training.optim import AdamWHyper
