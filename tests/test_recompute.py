@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.checkpoint import CheckpointPolicy
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -18,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 from fxmega.config import load, override  # noqa: E402
 from fxmega.core import tree  # noqa: E402
 from fxmega.ops import recompute  # noqa: E402
+from fxmega.sharding import zero3  # noqa: E402
 from fxmega.training.run import Run  # noqa: E402
 from fxmega.training.step import compiled, enable_autograd_in_compile  # noqa: E402
 from tests.tolerance import assert_within_rounding, run_lengths  # noqa: E402
@@ -120,3 +122,17 @@ if __name__ == "__main__":
     print(json.dumps(_measure(sys.argv[1])))
     sys.stdout.flush()
     os._exit(0)
+
+
+def test_zero3_checkpoint_recomputes_made_tensors_and_never_redraws():
+    """ZeRO-3's checkpoint policy: a tensor made from a shape and what an eager composite
+    writes into it in place (F.one_hot: zeros, then scatter_) are made again; a random draw,
+    in place or not, is kept."""
+    policy = zero3._POLICIES["none"]
+    ops = torch.ops.aten
+    idx = torch.zeros(3, 1, dtype=torch.long)
+    assert policy(None, ops.zeros.default, [3, 4]) == CheckpointPolicy.MUST_RECOMPUTE
+    assert policy(None, ops.scatter_.value, torch.zeros(3, 4), 1, idx, 1) == CheckpointPolicy.MUST_RECOMPUTE
+    assert policy(None, ops.bernoulli_.float, torch.zeros(3), 0.5) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, ops.rand.default, [3]) == CheckpointPolicy.MUST_SAVE
+    assert policy(None, ops.mm.default, torch.zeros(2, 2), torch.zeros(2, 2)) == CheckpointPolicy.MUST_SAVE

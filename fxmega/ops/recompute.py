@@ -43,18 +43,18 @@ _SAVE = {
 }
 
 
-def _random(func: Any) -> bool:
+def draws_random(func: Any) -> bool:
     """Ops tagged as drawing random numbers (SDPA, for its dropout) cannot be recomputed."""
     return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
 
 
 def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    keep = func in _SAVE or _random(func)
+    keep = func in _SAVE or draws_random(func)
     return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.MUST_RECOMPUTE
 
 
 def _full_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if _random(func) else CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if draws_random(func) else CheckpointPolicy.MUST_RECOMPUTE
 
 
 # Module level on purpose: a context_fn defined inside a compiled function is not supported

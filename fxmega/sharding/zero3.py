@@ -54,12 +54,14 @@ _RECOMPUTE = {
 
 def _recomputed(func: Any, args: tuple) -> bool:
     """Gathers, their unpacking, views, tensors made from a shape alone (``aten.zeros``,
-    ``aten.arange``: no tensor argument; random draws excepted, which must not be redrawn)
-    and what an eager composite writes into them in place (``scatter_``)."""
+    ``aten.arange``: no tensor argument) and what an eager composite writes into them in
+    place (``scatter_``); never a random draw (``bernoulli_`` included), which must not be
+    redrawn."""
+    if block_recompute.draws_random(func):
+        return False
     if func in _RECOMPUTE or getattr(func, "is_view", False) or func._schema.is_mutable:
         return True
-    made_from_nothing = not any(isinstance(a, torch.Tensor) for a in args)
-    return made_from_nothing and torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ())
+    return not any(isinstance(a, torch.Tensor) for a in args)  # made from nothing but a shape
 
 
 def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
