@@ -113,6 +113,8 @@ def checkpointed(fn: Callable[..., Any], mode: str) -> Callable[..., Any]:
         return fn
 
     def run(*args: Any) -> Any:
+        if not torch.is_grad_enabled():  # evaluation: no backward to recompute for
+            return fn(*args)
         return checkpoint(in_forward_context(fn), *args, use_reentrant=False, context_fn=CONTEXTS[mode])
 
     return run

@@ -120,6 +120,12 @@ class GatherShards(torch.autograd.Function):
         return (None, None, None, None, None, *(s.to(d) for s, d in zip(shards, ctx.shard_dtypes)))
 
 
+def _gather_for_forward_only(dims: tuple[int, ...], world: int, group: Any, dtype: torch.dtype,
+                             reduce_dtype: torch.dtype, *shards: torch.Tensor) -> tuple:
+    """``GatherShards``' forward alone, for a forward that needs no gradients."""
+    return tuple(all_gather([s.to(dtype) for s in shards], list(dims), world, group))
+
+
 Gather = tuple[tuple[str, ...], int, Any]  # (the data axes, their size, their group)
 
 
@@ -139,17 +145,25 @@ def gathered_call(fn: Callable[..., Any], leaves: list[torch.Tensor], dims: list
         if d is not None:
             by_group.setdefault(gathers[i][0], []).append(i)
 
+    # evaluation and generation (no_grad) gather without the autograd Function: dynamo
+    # cannot trace its ctx there, and there is no backward to reduce-scatter for
+    gather = GatherShards.apply if torch.is_grad_enabled() else _gather_for_forward_only
+
     def run(*flat: Any) -> Any:
         call_args, params = flat[:len(args)], list(flat[len(args):])
         params = [p if dims[i] is not None else p.to(dtype) for i, p in enumerate(params)]
         for members in by_group.values():
             _, world, group = gathers[members[0]]
-            full = GatherShards.apply(tuple(dims[i] for i in members), world, group, dtype, reduce_dtype,
-                                      *(params[i] for i in members))
+            full = gather(tuple(dims[i] for i in members), world, group, dtype, reduce_dtype,
+                          *(params[i] for i in members))
             for i, t in zip(members, full):
                 params[i] = t
         return fn(rebuild(params), *call_args)
 
+    if not torch.is_grad_enabled():
+        # evaluation and generation: no backward, so nothing to recompute (and dynamo cannot
+        # trace a checkpoint region under no_grad: evaluation of a ZeRO-3 run failed there)
+        return run(*args, *leaves)
     if not regather:
         if recompute != "none":
             raise ValueError("parallel.zero3_regather=false keeps gathered parameters for measurements; "
