@@ -114,9 +114,9 @@ def _count(cs):
 
 if __name__ == "__main__":
     if "RANK" not in os.environ:
-        from fxmega.sharding.distributed import relaunch
+        from fxmega.cli.launch import start_ranks
 
-        sys.exit(relaunch(2, []))
+        sys.exit(start_ranks(2, []))
     os.environ.setdefault("FXMEGA_INDUCTOR_CACHE_BASE", str(ROOT / ".cache" / "inductor-bench"))
     from fxmega.sharding.distributed import per_rank_caches, shutdown
 

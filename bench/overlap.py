@@ -82,9 +82,9 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args()
     if "RANK" not in os.environ:
-        from fxmega.sharding.distributed import relaunch
+        from fxmega.cli.launch import start_ranks
 
-        sys.exit(relaunch(2, sys.argv[1:]))
+        sys.exit(start_ranks(2, sys.argv[1:]))
     os.environ.setdefault("FXMEGA_INDUCTOR_CACHE_BASE", str(ROOT / ".cache" / "inductor-bench"))
     from fxmega.sharding.distributed import per_rank_caches, shutdown
 

@@ -119,9 +119,9 @@ def main() -> None:
         os.environ.pop("RANK", None)
         return single(args, args.single)
     if not os.environ.get("RANK"):
-        from fxmega.sharding.distributed import relaunch
+        from fxmega.cli.launch import start_ranks
 
-        sys.exit(relaunch(args.pp, sys.argv[1:]))
+        sys.exit(start_ranks(args.pp, sys.argv[1:]))
     from fxmega.sharding.distributed import per_rank_caches, shutdown
 
     per_rank_caches()

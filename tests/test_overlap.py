@@ -12,7 +12,8 @@ from fxmega.core.errors import ConfigError
 from fxmega.models import model_for
 from fxmega.sharding.collectives import gathers_ahead, kernels_before_waits
 from fxmega.sharding.overlap import inductor_options
-from fxmega.training.run import Run, check_compute
+from fxmega.training.checks import check_compute
+from fxmega.training.run import Run
 from tests.multirank import run_ranks
 from tests.overlap_workers import TWO_MICRO
 from tests.parity import assert_matches_one_device, record

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from fxmega.cli.launch import check_launch, record_error, start_ranks
 from fxmega.cli.parser import config_from_args, flag, parse_args
 from fxmega.config import RunConfig, override
 from fxmega.core.errors import ConfigError, FxmegaError
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         set_level(args.log_level)
         return RUNNERS[args.command](args, argv)
     except FxmegaError as e:
-        log.error(str(e))
+        record_error(e)
         return 2
 
 
@@ -96,7 +97,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = _config(args)
-    return _on_mesh(cfg, argv, lambda c, par, dev: train(c, progress=not args.no_progress, parallel=par, device=dev))
+    return _on_mesh(cfg, argv, lambda c, par, dev: train(c, progress=not args.no_progress, parallel=par, device=dev),
+                    args.oversubscribe)
 
 
 def _from_checkpoint(args: argparse.Namespace, argv: list[str]) -> int:
@@ -105,7 +107,7 @@ def _from_checkpoint(args: argparse.Namespace, argv: list[str]) -> int:
         check_generator(cfg)
     job = {"eval": _eval, "generate": lambda c, par, dev: _generate(c, par, dev, args),
            "serve": lambda c, par, dev: _serve(c, par, dev, args)}[args.command]
-    return _on_mesh(cfg, argv, job)
+    return _on_mesh(cfg, argv, job, args.oversubscribe)
 
 
 def _summary(args: argparse.Namespace, argv: list[str]) -> int:
@@ -202,7 +204,8 @@ def _finetune(args: argparse.Namespace, argv: list[str]) -> int:
         raise ConfigError('finetune needs --data-path TRAIN.jsonl (JSON lines of {"text": ..., "label": ...})')
     world = MeshSpec.parse(cfg.parallel.mesh).world_size
     if world > 1 and not distributed.under_launcher():
-        return distributed.relaunch(world, argv)
+        check_launch(cfg, model_for(cfg.model), args.oversubscribe)  # the backbone's plan; the classifier is replicated
+        return start_ranks(world, argv)
     result = finetune(cfg, args.data_path[0], valid_path=args.valid_path, n_classes=args.num_classes)
     if world > 1 and int(os.environ.get("RANK", "0")) != 0:
         return 0
@@ -260,23 +263,25 @@ def _serve(cfg: RunConfig, parallel: Parallel | None, device: torch.device | Non
         os._exit(0)
 
 
-def _on_mesh(cfg: RunConfig, argv: list[str],
-             job: Callable[[RunConfig, Parallel | None, torch.device | None], None]) -> int:
+def _on_mesh(cfg: RunConfig, argv: list[str], job: Callable[[RunConfig, Parallel | None, torch.device | None], None],
+             oversubscribe: bool) -> int:
     """Run ``job(cfg, parallel, device)`` in this process (one device), on ranks started
-    with torch.distributed.run (a mesh larger than 1 outside a launcher), or as this rank."""
+    with torch.distributed.run after every check (a mesh larger than 1 outside a launcher:
+    ``fxmega.cli.launch``), or as this rank."""
     mesh = MeshSpec.parse(cfg.parallel.mesh)
     if not distributed.under_launcher():
         if mesh.world_size > 1:
-            return distributed.relaunch(mesh.world_size, argv)
+            check_launch(cfg, model_for(cfg.model), oversubscribe)
+            return start_ranks(mesh.world_size, argv)
         job(cfg, None, None)
         return 0
-    parallel, device = distributed.setup(cfg, mesh)
     try:
+        parallel, device = distributed.setup(cfg, mesh)
         job(cfg, parallel, device)
     except FxmegaError as e:
         # the group may be broken (a timed-out collective closes gloo's connections): no
-        # barrier, no teardown that could hang; say what happened and leave
-        log.error(str(e))
+        # barrier, no teardown that could hang; say what happened (once: ``record_error``) and leave
+        record_error(e)
         sys.stdout.flush()
         os._exit(2)
     distributed.shutdown()

@@ -117,6 +117,10 @@ GROUPS: dict[str, list[Flag]] = {
              "reduce-scatters overlap them (torch's async TP; CUDA only; Megatron's flag)",
              switch="parallel.async_tp=true"),
     ],
+    "launching": [
+        Flag("--oversubscribe", "start the mesh's local ranks even where this machine's GPUs, cores or memory "
+             "cannot hold them (refused otherwise, before any starts)", options={"action": "store_true"}),
+    ],
     "validation": _keys("--eval-interval train.eval_interval --eval-iters train.eval_iters"),
     "data": [
         Flag("--data-path", "sets data.source: a text file, an indexed-dataset prefix, or a blend 0.7 A 0.3 B",
@@ -169,8 +173,10 @@ GROUPS: dict[str, list[Flag]] = {
 
 # the flags of a run that only reads a model: no optimizer, no checkpoint writing
 _READ = {"training": "--seed --device --no-compile --compile-backend --kernels --deterministic",
-         "checkpointing": "--load", "mixed precision": "*", "distributed": "*", "logging": "--log-level"}
-TRAINING = ("training", "learning rate", "checkpointing", "mixed precision", "distributed", "validation", "data",
+         "checkpointing": "--load", "mixed precision": "*", "distributed": "*", "launching": "*",
+         "logging": "--log-level"}
+TRAINING = ("training", "learning rate", "checkpointing", "mixed precision", "distributed", "launching", "validation",
+            "data",
             "logging")
 
 

@@ -20,3 +20,7 @@ class CheckpointError(FxmegaError):
 
 class NonFiniteError(FxmegaError):
     """A training step produced a non-finite loss or gradient (policy train.nonfinite=stop)."""
+
+
+class LauncherLostError(FxmegaError):
+    """This rank's launcher (and the rendezvous store it hosts) has gone: the job is over."""

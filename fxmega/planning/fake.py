@@ -27,12 +27,10 @@ from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.core.precision import compute_dtype
 from fxmega.models import loss_by_pieces, model_for
-from fxmega.sharding.context import check_context_parallel
-from fxmega.sharding.distributed import local_specs
+from fxmega.sharding.distributed import checked_plan, rank_parallel
 from fxmega.sharding.inspect import Collective, record_collectives
-from fxmega.sharding.mesh import MeshSpec, build_device_mesh, check_model_mesh
+from fxmega.sharding.mesh import MeshSpec, build_device_mesh
 from fxmega.sharding.runtime import Parallel
-from fxmega.sharding.strategy import plan_from
 from fxmega.training.optim import AdamWHyper, decay_mask
 from fxmega.training.pipeline_step import PipelineStep
 from fxmega.training.step import TrainStep
@@ -59,13 +57,8 @@ def fake_parallel(cfg: RunConfig, rank: int) -> Parallel:
     in a real run, without printing)."""
     mesh = MeshSpec.parse(cfg.parallel.mesh)
     model = model_for(cfg.model)
-    plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
-    device_mesh = build_device_mesh(mesh, "cpu")
-    local = local_specs(model.param_specs(cfg.model), plan, mesh.coords(rank)["pp"])
-    check_model_mesh(cfg, mesh, model)
-    check_context_parallel(cfg, mesh, model)
-    return Parallel(plan, device_mesh, rank, local, cfg.parallel.bucket_size, cfg.parallel.zero3_regather,
-                    cfg.compute, cfg.parallel.cp_attention)
+    plan = checked_plan(cfg, mesh, model)
+    return rank_parallel(cfg, plan, build_device_mesh(mesh, "cpu"), rank, model)
 
 
 def meta_params(par: Parallel) -> tree.Tree:

@@ -3,21 +3,19 @@ torch.distributed's own elastic launcher. fxmega never spawns or connects ranks 
 
 Under ``torchrun`` (or Slurm/Kubernetes through torchrun) the launcher's environment
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) is used as it is; NCCL on CUDA, gloo on
-CPU. ``python run.py --mesh 2x2`` without a launcher re-runs the same command line under
-``python -m torch.distributed.run --standalone --nproc-per-node 4``.
+CPU. ``python run.py --mesh 2x2`` without a launcher runs the same command line under torch's
+launcher (``torchrun --standalone --nproc-per-node 4``) after every check: ``fxmega.cli.launch``.
 """
 
 from __future__ import annotations
 
 import datetime
 import os
-import signal
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from fxmega.config import RunConfig
 from fxmega.core.device import kernel_cache_name
@@ -26,6 +24,7 @@ from fxmega.models import model_for
 from fxmega.models.registry import ModelFamily
 from fxmega.sharding.context import check_context_parallel
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh, check_model_mesh, check_world_size
+from fxmega.sharding.plan import ShardingPlan
 from fxmega.sharding.runtime import Parallel
 from fxmega.sharding.strategy import plan_from
 
@@ -34,23 +33,6 @@ log = get_logger(__name__)
 
 def under_launcher() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def relaunch(nproc: int, argv: list[str]) -> int:
-    """Run ``run.py argv`` on ``nproc`` local processes through torch.distributed.run."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(Path(sys.argv[0]).resolve()), *argv]
-    log.info(f"starting {nproc} local processes: {' '.join(cmd[1:])}")
-    launcher = subprocess.Popen(cmd)
-    # a signal to this process goes on to the launcher, which stops its workers; killing the
-    # launcher instead (what subprocess.call does on Ctrl-C) would leave the workers running
-    forward = lambda signum, _frame: launcher.send_signal(signum)  # noqa: E731
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return launcher.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def per_rank_caches() -> None:
@@ -90,6 +72,24 @@ def init(mesh: MeshSpec, timeout_s: int, device_type: str | None = None):
     return build_device_mesh(mesh, device_type), rank, device
 
 
+def checked_plan(cfg: RunConfig, mesh: MeshSpec, model: ModelFamily) -> ShardingPlan:
+    """The plan for ``mesh``, after the refusals the model family makes of it (experts not
+    split over tp, context parallelism it cannot run): every check of the mesh against the
+    model, divisibility and stage counts included, made before a process group exists."""
+    check_model_mesh(cfg, mesh, model)
+    check_context_parallel(cfg, mesh, model)
+    return plan_from(model.param_specs(cfg.model), cfg.parallel, model)
+
+
+def rank_parallel(cfg: RunConfig, plan: ShardingPlan, device_mesh: DeviceMesh, rank: int,
+                  model: ModelFamily) -> Parallel:
+    """Rank ``rank``'s ``Parallel`` for ``plan`` on ``device_mesh`` (a real or a fake process
+    group: ``setup`` and ``fxmega.planning.fake`` build it the same way)."""
+    local = local_specs(model.param_specs(cfg.model), plan, plan.mesh.coords(rank)["pp"])
+    return Parallel(plan, device_mesh, rank, local, cfg.parallel.bucket_size, cfg.parallel.zero3_regather,
+                    cfg.compute, cfg.parallel.cp_attention)
+
+
 def setup(cfg: RunConfig, mesh: MeshSpec, model: ModelFamily | None = None) -> tuple[Parallel, torch.device]:
     """This rank's ``Parallel`` for a run: process group, device mesh, plan. Prints the
     resolved mesh (rank 0) and every rank's coordinates. ``model``: the family whose
@@ -97,13 +97,10 @@ def setup(cfg: RunConfig, mesh: MeshSpec, model: ModelFamily | None = None) -> t
     config's; fine-tuning gives its classifier)."""
 
     model = model_for(cfg.model) if model is None else model
-    check_model_mesh(cfg, mesh, model)
-    check_context_parallel(cfg, mesh, model)
+    plan = checked_plan(cfg, mesh, model)
     per_rank_caches()
     device_type = None if cfg.train.device == "auto" else cfg.train.device
     device_mesh, rank, device = init(mesh, cfg.parallel.timeout_s, device_type)
-    specs = model.param_specs(cfg.model)
-    plan = plan_from(specs, cfg.parallel, model)
     if rank == 0:
         log.info(f"mesh: {mesh.describe()}, {plan.strategy.name} (zero {plan.zero})"
                  + (", sequence parallel" if plan.sequence_parallel else "")
@@ -112,12 +109,10 @@ def setup(cfg: RunConfig, mesh: MeshSpec, model: ModelFamily | None = None) -> t
             log.info("\n".join(plan.pipeline.describe()))
     coords = mesh.coords(rank)
     log.debug(f"rank {rank}: " + ", ".join(f"{a}={coords[a]}" for a in mesh.names) + f" on {device}")
-    local = local_specs(specs, plan, coords["pp"])
-    return Parallel(plan, device_mesh, rank, local, cfg.parallel.bucket_size, cfg.parallel.zero3_regather,
-                    cfg.compute, cfg.parallel.cp_attention), device
+    return rank_parallel(cfg, plan, device_mesh, rank, model), device
 
 
-def local_specs(specs: dict, plan, pp_rank: int) -> dict:
+def local_specs(specs: dict, plan: ShardingPlan, pp_rank: int) -> dict:
     """The part of the spec tree pp rank ``pp_rank`` holds; blocks keep their global index
     as a dict key, so every path (and so every seed and checkpoint key) is the global one."""
     if plan.pipeline is None:

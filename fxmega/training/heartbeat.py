@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fxmega.core.errors import FxmegaError
+from fxmega.core.errors import FxmegaError, LauncherLostError
 
 _KEY = "fxmega/heartbeat/{}"
 # what gloo and NCCL say when a collective gives up waiting for a peer
@@ -63,10 +63,20 @@ class Heartbeat:
     def start(self, step: int) -> None:
         # kept per step in a ring of 4: rank 0 reads a step's arrivals after other ranks may
         # already have begun the next one (two store writes per step and rank in all)
-        self.store.set(self._key(f"start{step % 4}", self.rank), f"{step} {time.time():.6f}")
+        self._set(self._key(f"start{step % 4}", self.rank), f"{step} {time.time():.6f}", step)
 
     def done(self, step: int) -> None:
-        self.store.set(self._key("done", self.rank), f"{step} {time.time():.6f}")
+        self._set(self._key("done", self.rank), f"{step} {time.time():.6f}", step)
+
+    def _set(self, key: str, value: str, step: int) -> None:
+        try:
+            self.store.set(key, value)
+        except dist.DistError as e:
+            raise self._lost(step, e) from e
+
+    def _lost(self, step: int, error: BaseException) -> LauncherLostError:
+        return LauncherLostError(f"rank {self.rank}: the launcher's rendezvous store stopped answering at step {step} "
+                                 f"({str(error).splitlines()[0][:120]}); the launcher has ended, so this rank stops too")
 
     def _key(self, kind: str, rank: int) -> str:
         return _KEY.format(f"{self.attempt}/{kind}/{rank}")
@@ -91,7 +101,11 @@ class Heartbeat:
         """The rank that began ``step`` last, and by how many seconds after the first: in
         synchronous training everyone else waits for it (their own step times include that
         wait, so step times alone would blame the waiting ranks)."""
-        arrivals = [(r, at) for r in range(self.world) for s, at in [self._get(f"start{step % 4}", r)] if s == step]
+        try:
+            starts = [(r, self._get(f"start{step % 4}", r)) for r in range(self.world)]
+        except dist.DistError as e:
+            raise self._lost(step, e) from e
+        arrivals = [(r, at) for r, (s, at) in starts if s == step]
         if len(arrivals) < 2:
             return None
         first = min(at for _, at in arrivals)

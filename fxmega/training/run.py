@@ -15,14 +15,13 @@ import torch
 from fxmega.config import RunConfig
 from fxmega.core import precision, tree
 from fxmega.core.device import pick_device, set_deterministic
-from fxmega.core.errors import ConfigError
 from fxmega.core.log import get_logger
 from fxmega.data.prefetch import Prefetcher
 from fxmega.data.sources import Data, build_data
 from fxmega.inference.generate import sample_text
 from fxmega.inference.generate_parallel import generate_on_mesh
 from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq, is_encoder_decoder
-from fxmega.models import family_name, loss_by_pieces, model_for
+from fxmega.models import loss_by_pieces, model_for
 from fxmega.models.registry import ModelFamily
 from fxmega.ops import aux_loss, kernels, recompute, tied_embedding_grad
 from fxmega.ops.init import init_params
@@ -30,6 +29,7 @@ from fxmega.sharding import overlap
 from fxmega.sharding.runtime import Parallel
 from fxmega.storage import checkpoint, run_state
 from fxmega.training import faults
+from fxmega.training.checks import check_run
 from fxmega.training.evaluate import mean_loss, micro_sums, my_step_input, one_device_loss_sum, to_device
 from fxmega.training.optim import AdamWHyper, adamw_init, decay_mask
 from fxmega.training.outcome import Pending, settle
@@ -39,63 +39,6 @@ from fxmega.training.state import TrainState
 from fxmega.training.step import EvalStep, TrainStep, trainable
 
 log = get_logger(__name__)
-
-
-def check_compute(cfg: RunConfig, parallel: Parallel | None, device: torch.device, model: ModelFamily) -> None:
-    """Refuse, before anything is built, the ``compute`` options (and ``data.pack``) this model
-    and mesh cannot honour (no silent fallback)."""
-    c, t = cfg.compute, cfg.train
-    kernels.check_available(c.kernels, device)
-    if t.cuda_graphs:
-        if device.type != "cuda":
-            raise ConfigError(f"train.cuda_graphs=true replays the step's GPU kernels from a captured CUDA graph; this "
-                              f"run is on {device.type}: set train.cuda_graphs=false")
-        if not (t.compile and t.compile_backend == "inductor"):
-            raise ConfigError("train.cuda_graphs=true captures inductor's compiled step: set train.compile=true and "
-                              "train.compile_backend=inductor, or train.cuda_graphs=false")
-        if parallel is not None:
-            raise ConfigError(f"train.cuda_graphs=true is measured on one device only; this run is on a mesh of "
-                              f"{parallel.groups.mesh.world_size} ranks (collectives inside captured graphs are not "
-                              f"tested here): set train.cuda_graphs=false")
-    if cfg.parallel.async_tp:
-        if device.type != "cuda":
-            raise ConfigError(f"parallel.async_tp=true runs torch's micro-pipelined tensor parallelism, which "
-                              f"exchanges the chunks through CUDA symmetric memory; this run is on {device.type}: "
-                              f"set parallel.async_tp=false")
-        if parallel is None or parallel.groups.tp < 2:
-            tp = 1 if parallel is None else parallel.groups.tp
-            raise ConfigError(f"parallel.async_tp=true overlaps tensor parallelism's collectives; this mesh has "
-                              f"tp={tp}: give the mesh a tp axis (e.g. --mesh dp=1,tp=2) or set "
-                              f"parallel.async_tp=false")
-    if cfg.parallel.overlap_param_gather:
-        zero = 0 if parallel is None else parallel.plan.zero
-        if zero not in (1, 2):
-            raise ConfigError(f"parallel.overlap_param_gather=true defers ZeRO-1/2's all-gather of the updated "
-                              f"shards; this run has ZeRO-{zero}" + (" on one device" if parallel is None else "")
-                              + ": set parallel.zero=1 (or 2) on a mesh with a data axis, or "
-                                "parallel.overlap_param_gather=false")
-        if parallel.plan.pipeline is not None:
-            raise ConfigError("parallel.overlap_param_gather=true is not supported with pipeline parallelism yet "
-                              "(the stages' forwards run in torch's schedule, outside the step's graph): set "
-                              "parallel.overlap_param_gather=false")
-    if cfg.data.pack and not getattr(model, "CONTEXT_PARALLEL", False):
-        raise ConfigError(f"data.pack=true restarts the positions in every packed conversation; the "
-                          f"{family_name(cfg.model)} model does not take a position per token (GPT, Llama and "
-                          f"Mixtral do): set data.pack=false")
-    if c.loss_chunk and not (hasattr(model, "final_hidden") and hasattr(model, "output_weight")):
-        raise ConfigError(f"compute.loss_chunk={c.loss_chunk}: the {family_name(cfg.model)} head is not a final norm "
-                          f"and one output projection (final_hidden, output_weight), which the chunked loss "
-                          f"needs: set compute.loss_chunk=0")
-    if not c.loss_chunk or parallel is None:
-        return
-    if parallel.groups.tp > 1:
-        raise ConfigError(f"compute.loss_chunk={c.loss_chunk} works on an unsplit vocabulary; with "
-                          f"tp={parallel.groups.tp} "
-                          f"the logits are already split over the vocabulary (vocab-parallel cross-entropy): set "
-                          f"compute.loss_chunk=0")
-    if parallel.plan.pipeline is not None:
-        raise ConfigError("compute.loss_chunk is not supported with pipeline parallelism yet (the last stage "
-                          "computes the loss from whole logits): set compute.loss_chunk=0")
 
 
 class _StateField:
@@ -125,13 +68,12 @@ class Run:
                  model: ModelFamily | None = None, data: Data | None = None) -> None:
         self.parallel = parallel
         data_size = parallel.groups.data_size if parallel is not None else 1
-        self.cfg = cfg.validate(data_size)
         t = cfg.train
-        if t.deterministic:
-            set_deterministic()
         self.device = device or pick_device(t.device)
         self.model = model if model is not None else model_for(cfg.model)
-        check_compute(cfg, parallel, self.device, self.model)
+        self.cfg = check_run(cfg, None if parallel is None else parallel.plan, self.device, self.model)
+        if t.deterministic:
+            set_deterministic()
         self.compute_dtype = precision.compute_dtype(cfg.compute.precision)
         self.specs = self.model.param_specs(cfg.model)
         # the parameters this process holds: all of them, or its pipeline stages' (global paths)

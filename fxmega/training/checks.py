@@ -1,0 +1,96 @@
+"""Every check a run makes before anything is built, in one place.
+
+``preflight`` is what the launching process runs before it starts any rank (and what a
+rank runs again before it builds its ``Parallel``): the config's own fields, the mesh
+against the model (divisibility, stage counts, the family's refusals: ``checked_plan``),
+the batch arithmetic on the plan's data size, and the compute options this model, mesh and
+device cannot honour (``check_compute``). A combination that cannot work is refused with
+one ``ConfigError`` naming the value and the fix; nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxmega.config import RunConfig
+from fxmega.core.errors import ConfigError
+from fxmega.models import family_name
+from fxmega.models.registry import ModelFamily
+from fxmega.ops import kernels
+from fxmega.sharding.distributed import checked_plan
+from fxmega.sharding.mesh import MeshSpec
+from fxmega.sharding.plan import ShardingPlan
+
+
+def preflight(cfg: RunConfig, model: ModelFamily, device: torch.device) -> ShardingPlan | None:
+    """Every check of ``cfg`` on its mesh (``parallel.mesh``) with ``model`` on ``device``;
+    returns the plan (None for a one-device run). Needs no process group."""
+    mesh = MeshSpec.parse(cfg.parallel.mesh)
+    plan = checked_plan(cfg, mesh, model) if mesh.world_size > 1 else None
+    check_run(cfg, plan, device, model)
+    return plan
+
+
+def check_run(cfg: RunConfig, plan: ShardingPlan | None, device: torch.device, model: ModelFamily) -> RunConfig:
+    """The config's fields with the batch arithmetic on ``plan``'s data size, then the compute
+    options (``check_compute``); returns ``cfg``."""
+    cfg.validate(1 if plan is None else plan.mesh.data_size)
+    check_compute(cfg, plan, device, model)
+    return cfg
+
+
+def check_compute(cfg: RunConfig, plan: ShardingPlan | None, device: torch.device, model: ModelFamily) -> None:
+    """Refuse, before anything is built, the ``compute`` options (and ``data.pack``) this model
+    and mesh cannot honour (no silent fallback)."""
+    c, t = cfg.compute, cfg.train
+    kernels.check_available(c.kernels, device)
+    if t.cuda_graphs:
+        if device.type != "cuda":
+            raise ConfigError(f"train.cuda_graphs=true replays the step's GPU kernels from a captured CUDA graph; this "
+                              f"run is on {device.type}: set train.cuda_graphs=false")
+        if not (t.compile and t.compile_backend == "inductor"):
+            raise ConfigError("train.cuda_graphs=true captures inductor's compiled step: set train.compile=true and "
+                              "train.compile_backend=inductor, or train.cuda_graphs=false")
+        if plan is not None:
+            raise ConfigError(f"train.cuda_graphs=true is measured on one device only; this run is on a mesh of "
+                              f"{plan.mesh.world_size} ranks (collectives inside captured graphs are not "
+                              f"tested here): set train.cuda_graphs=false")
+    if cfg.parallel.async_tp:
+        if device.type != "cuda":
+            raise ConfigError(f"parallel.async_tp=true runs torch's micro-pipelined tensor parallelism, which "
+                              f"exchanges the chunks through CUDA symmetric memory; this run is on {device.type}: "
+                              f"set parallel.async_tp=false")
+        if plan is None or plan.tp < 2:
+            tp = 1 if plan is None else plan.tp
+            raise ConfigError(f"parallel.async_tp=true overlaps tensor parallelism's collectives; this mesh has "
+                              f"tp={tp}: give the mesh a tp axis (e.g. --mesh dp=1,tp=2) or set "
+                              f"parallel.async_tp=false")
+    if cfg.parallel.overlap_param_gather:
+        zero = 0 if plan is None else plan.zero
+        if zero not in (1, 2):
+            raise ConfigError(f"parallel.overlap_param_gather=true defers ZeRO-1/2's all-gather of the updated "
+                              f"shards; this run has ZeRO-{zero}" + (" on one device" if plan is None else "")
+                              + ": set parallel.zero=1 (or 2) on a mesh with a data axis, or "
+                                "parallel.overlap_param_gather=false")
+        if plan.pipeline is not None:
+            raise ConfigError("parallel.overlap_param_gather=true is not supported with pipeline parallelism yet "
+                              "(the stages' forwards run in torch's schedule, outside the step's graph): set "
+                              "parallel.overlap_param_gather=false")
+    if cfg.data.pack and not getattr(model, "CONTEXT_PARALLEL", False):
+        raise ConfigError(f"data.pack=true restarts the positions in every packed conversation; the "
+                          f"{family_name(cfg.model)} model does not take a position per token (GPT, Llama and "
+                          f"Mixtral do): set data.pack=false")
+    if c.loss_chunk and not (hasattr(model, "final_hidden") and hasattr(model, "output_weight")):
+        raise ConfigError(f"compute.loss_chunk={c.loss_chunk}: the {family_name(cfg.model)} head is not a final norm "
+                          f"and one output projection (final_hidden, output_weight), which the chunked loss "
+                          f"needs: set compute.loss_chunk=0")
+    if not c.loss_chunk or plan is None:
+        return
+    if plan.tp > 1:
+        raise ConfigError(f"compute.loss_chunk={c.loss_chunk} works on an unsplit vocabulary; with "
+                          f"tp={plan.tp} "
+                          f"the logits are already split over the vocabulary (vocab-parallel cross-entropy): set "
+                          f"compute.loss_chunk=0")
+    if plan.pipeline is not None:
+        raise ConfigError("compute.loss_chunk is not supported with pipeline parallelism yet (the last stage "
+                          "computes the loss from whole logits): set compute.loss_chunk=0")
