@@ -37,12 +37,13 @@ LAYERS = {
                  "inference.generate_parallel inference.code_exec",
     "training": "training training.optim training.update training.schedules training.metrics training.step "
                 "training.pipeline_step training.evaluate training.faults training.heartbeat training.logs "
-                "training.tracking training.state training.outcome training.run training.train training.finetune",
+                "training.tracking training.state training.outcome training.checks training.run training.train "
+                "training.finetune",
     "serving": "inference.serve inference.serve_mesh inference.generation_cli inference.chat "
                "inference.translation_eval inference.qa_eval inference.code_eval",
     "planning": "planning planning.devices planning.fake planning.exposure planning.report planning.auto "
-                "planning.summary",
-    "command line": "cli cli.parser cli.commands",
+                "planning.summary planning.capacity",
+    "command line": "cli cli.parser cli.launch cli.commands",
 }
 # imported inside functions because they are optional: the package imports without them
 OPTIONAL_INSIDE_FUNCTIONS = {"fxmega.ops.kernels.triton_ops", "fxmega.ops.kernels.triton_norms",
