@@ -14,7 +14,7 @@ config = RunConfig(
                       eval_interval=200, eval_iters=20, log_interval=50,
                       log_jsonl="runs/shakespeare_gpt/log.jsonl",
                       tensorboard_dir="runs/shakespeare_gpt/tensorboard",
-                      save_dir="runs/shakespeare_gpt/checkpoints",
+                      save_dir="runs/shakespeare_gpt/checkpoints", save_interval=200, keep_last=2,
                       sample_tokens=400, sample_prompt="ROMEO.\n"),
     optim=OptimConfig(lr=3e-3, min_lr=3e-4, schedule="cosine", warmup_steps=50,
                       weight_decay=0.1, beta2=0.99, clip_grad=1.0),

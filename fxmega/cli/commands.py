@@ -25,6 +25,7 @@ from fxmega.cli.parser import config_from_args, flag, parse_args
 from fxmega.config import RunConfig, override
 from fxmega.core.errors import ConfigError, FxmegaError
 from fxmega.core.log import get_logger, set_level
+from fxmega.data.tokenizer import build_tokenizer
 from fxmega.inference.generation_cli import check_generator, generate_fn, generate_texts, load_generator
 from fxmega.inference.model_loader import load_model, recorded, recorded_config, recorded_tokenizer
 from fxmega.inference.seq2seq import is_encoder_decoder
@@ -43,6 +44,7 @@ from fxmega.storage import convert
 from fxmega.storage.orbax_io import from_orbax, to_orbax
 from fxmega.training.evaluate import evaluate_checkpoint, report
 from fxmega.training.finetune import finetune
+from fxmega.training.interrupt import Interrupted
 from fxmega.training.train import train
 
 log = get_logger(__name__)
@@ -79,9 +81,14 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         set_level(args.log_level)
         return RUNNERS[args.command](args, argv)
+    except Interrupted as e:  # said already, by the loop that saved
+        return e.exit_code
     except FxmegaError as e:
         record_error(e)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C outside a training loop, or a second one inside it
+        log.error(str(e) or "interrupted")
+        return 128 + signal.SIGINT
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
@@ -138,12 +145,16 @@ def _convert(args: argparse.Namespace, argv: list[str]) -> int:
         if not load:
             raise ConfigError("convert --to-hf/--to-orbax DIR needs --load CKPT (and, for a checkpoint written before "
                               "checkpoints described themselves, the --config it was trained with)")
-        cfg = override(config_from_args(args, None if args.config else recorded_config(*recorded(load))),
+        found, meta = recorded(load)
+        cfg = override(config_from_args(args, None if args.config else recorded_config(found, meta)),
                        ["train.device=cpu"])
         run = load_model(cfg, path=load, with_tokenizer=False, command="convert --to-hf")
         if args.to_hf:
-            path = convert.to_hf(family_name(cfg.model), cfg.model, run.params, target)
-            print(f"wrote {path} (config.json, model.safetensors): loads with transformers' from_pretrained")
+            spec = flag(args, "--tokenizer") or recorded_tokenizer(found, meta) or cfg.data.tokenizer
+            eos = build_tokenizer(spec, cfg.data.data_dir).eod if spec else None
+            path = convert.to_hf(family_name(cfg.model), cfg.model, run.params, target, eos_id=eos)
+            print(f"wrote {path} (config.json, model.safetensors; end-of-document id {eos}): loads with "
+                  f"transformers' from_pretrained")
         else:
             path = to_orbax(family_name(cfg.model), cfg.model, run.params, target)
             print(f"wrote {path} (fxmega_model.json, params/): restores with orbax StandardCheckpointer")
@@ -278,6 +289,14 @@ def _on_mesh(cfg: RunConfig, argv: list[str], job: Callable[[RunConfig, Parallel
     try:
         parallel, device = distributed.setup(cfg, mesh)
         job(cfg, parallel, device)
+    except Interrupted as e:  # every rank saved the same step; rank 0 said so
+        sys.stdout.flush()
+        os._exit(e.exit_code)
+    except KeyboardInterrupt as e:  # a second signal: at once, without a teardown that could wait
+        if int(os.environ.get("RANK", "0")) == 0:
+            log.error(str(e) or "interrupted")
+        sys.stdout.flush()
+        os._exit(128 + signal.SIGINT)
     except FxmegaError as e:
         # the group may be broken (a timed-out collective closes gloo's connections): no
         # barrier, no teardown that could hang; say what happened (once: ``record_error``) and leave

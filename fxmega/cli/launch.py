@@ -37,6 +37,7 @@ from fxmega.planning.report import estimate_plan
 from fxmega.sharding.distributed import rank_parallel
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh
 from fxmega.training.checks import preflight
+from fxmega.training.interrupt import SIGNALS
 
 log = get_logger(__name__)
 
@@ -71,8 +72,10 @@ def start_ranks(nproc: int, argv: list[str]) -> int:
     shown = os.path.relpath(script) if script.startswith(os.getcwd() + os.sep) else script
     log.info(f"starting {nproc} local processes: torchrun --standalone --nproc-per-node={nproc} "
              f"{' '.join([shown, *argv])}")
-    levels = {name: logging.getLogger(name).level for name in _TORCH_LOGGERS}
-    for name in _TORCH_LOGGERS:
+    # torch elastic's modules set their loggers' own levels, so each one is silenced, not a parent
+    names = [n for n in logging.root.manager.loggerDict if n.startswith(_TORCH_LOGGERS)] + list(_TORCH_LOGGERS)
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for local ranks, without its notice
     # c10d's C++ warnings (a store that went away) come with a native stack trace each; the
@@ -100,6 +103,9 @@ def _report(failures: dict[int, ProcessFailure]) -> int:
     if mine:
         log.error(mine[0][1])
         return 2
+    stopped = {f.exitcode - 128 for f in failures.values()}
+    if stopped and stopped <= set(SIGNALS):  # ranks a signal stopped cleanly; rank 0 said so
+        return 128 + max(stopped)
     rank, failure = min(failures.items())
     how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit status {failure.exitcode}"
     log.error(f"rank {rank} ended with {how}; its output above says why")

@@ -150,6 +150,8 @@ class Checkpointer:
             pointer.write_text(final.name + "\n")
             os.replace(pointer, self.root / "latest")
             self._retire()
+            # said when committed: an asynchronous save is only a .tmp_ directory until here
+            log.info(f"step {step}: saved checkpoint {final}")
         _barrier()
 
     def _retire(self) -> None:

@@ -75,8 +75,9 @@ class Heartbeat:
             raise self._lost(step, e) from e
 
     def _lost(self, step: int, error: BaseException) -> LauncherLostError:
-        return LauncherLostError(f"rank {self.rank}: the launcher's rendezvous store stopped answering at step {step} "
-                                 f"({str(error).splitlines()[0][:120]}); the launcher has ended, so this rank stops too")
+        return LauncherLostError(f"rank {self.rank}: the launcher's rendezvous store stopped answering at step "
+                                 f"{step} ({str(error).splitlines()[0][:120]}); the launcher has ended, so this rank "
+                                 f"stops too")
 
     def _key(self, kind: str, rank: int) -> str:
         return _KEY.format(f"{self.attempt}/{kind}/{rank}")

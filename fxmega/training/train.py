@@ -7,6 +7,7 @@ them together.
 
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ from fxmega.ops.init import count_params
 from fxmega.sharding.runtime import Parallel
 from fxmega.training import faults, tracking
 from fxmega.training.heartbeat import Heartbeat
+from fxmega.training.interrupt import Interrupted, StopOnSignal, resume_command
 from fxmega.training.logs import RunLog
 from fxmega.training.metrics import Throughput, device_peak, model_flops_per_token
 from fxmega.training.outcome import Pending
@@ -77,7 +79,11 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
     beats = None if mesh is None else Heartbeat(rank, world, mesh.coords, mesh.names)
     if t.prefetch:  # the next batches are built while the device runs this step
         run.prefetch(t.prefetch)
+    stop = StopOnSignal(parallel is not None, cfg.parallel.timeout_s)
+    signum = 0  # the signal the ranks agreed to stop on, after the step that saw it
+    bar_since = 0.0  # when the first step ended: the bar's token rate leaves compilation out
     try:
+        stop.listen()
         pending: list[Pending] = []  # steps launched since the last report, their metrics still on the device
         since = time.perf_counter()  # when the steps in ``pending`` began
         reset_peak(run.device)
@@ -99,6 +105,8 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
                              f"and collectives")
                 else:
                     pending.append(run.launch_step())
+                signum = stop.agreed()
+                report = report or bool(signum)
                 outcomes = run.settle(pending) if report else []  # one read for the interval: waits for the device
             except RuntimeError as e:  # a collective that gave up waiting explains who it waited for
                 if beats is None:
@@ -110,8 +118,12 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
             if bar is None:  # made once the first step is done, so that its rate and ETA leave compilation out
                 bar = tqdm(total=t.steps, initial=step, desc="train", unit="step", disable=not (progress and main),
                            dynamic_ncols=True)
+                bar_since = time.perf_counter()
             else:
                 bar.update(1)
+                # the host's rate, every step; the loss and its step change only where a step is read
+                bar.postfix = _postfix(bar.postfix, tokens_per_step * (step - first_step - 1)
+                                       / max(time.perf_counter() - bar_since, 1e-9))
             if not report:
                 continue
             seconds = time.perf_counter() - since  # every step of the interval, finished (the read waited)
@@ -129,8 +141,11 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
                     record |= _report(run, step, evaluate, log_line, seconds, beats if main else None, result)
                 run_log.write(record)
             m = outcomes[-1]
-            bar.set_postfix(loss=f"{m['loss']:.3f}", lr=f"{m['lr']:.2e}", gnorm=f"{m['grad_norm']:.2f}",
-                            tok_s=f"{rates['tokens_per_s']:,.0f}")
+            bar.set_postfix({f"loss@{step}": f"{m['loss']:.3f}", "lr": f"{m['lr']:.2e}",
+                             "gnorm": f"{m['grad_norm']:.2f}"}, refresh=False)
+            if not first:
+                bar.postfix = _postfix(bar.postfix, tokens_per_step * (step - first_step - 1)
+                                       / max(time.perf_counter() - bar_since, 1e-9))
             if first:
                 log.info(f"step {step}: first step took {seconds:.1f} s"
                          + (" (includes compilation)" if t.compile else ""))
@@ -143,20 +158,46 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
                 log.info(f"step {step:>6} | loss {m['loss']:.4f} | lr {m['lr']:.3e} | grad norm {m['grad_norm']:.3f} | "
                          f"{avg['tokens_per_s']:,.0f} tokens/s | MFU {100 * avg['mfu']:.2f}% | "
                          f"peak mem {record['peak_memory_bytes'] / 2**30:.2f} GiB{straggler}{router_line(m)}")
-            if save:
-                result.checkpoint = run.save(t.save_dir)
-                log.info(f"step {step}: saved checkpoint {result.checkpoint}")
+            if save or signum:  # the checkpointer says when it is committed
+                result.checkpoint = run.save(t.save_dir or _default_save_dir(cfg))
+            if signum:
+                break
     finally:
+        stop.restore()
         run.stop_prefetch()
     if bar is not None:
         bar.close()
     run.finish_saves()
     run_log.close()
+    if signum:
+        raise _interrupted(cfg, signum, run.step, result.checkpoint, main)
     if t.sample_tokens and run.tokenizer is not None:
         result.sample = run.sample(t.sample_tokens, t.sample_prompt, t.seed)
         if main:  # the sample is the command's output, not a message
             print("-" * 30 + " sample " + "-" * 30 + f"\n{result.sample}\n" + "-" * 68, flush=True)
     return result
+
+
+def _default_save_dir(cfg: RunConfig) -> str:
+    """Where a run without a save directory saves when a signal stops it."""
+    return f"runs/{cfg.name}/checkpoints"
+
+
+def _interrupted(cfg: RunConfig, signum: int, step: int, saved: str, main: bool) -> Interrupted:
+    """The one line a signal ends the run with (said by rank 0), as the error that ends it."""
+    root = cfg.train.save_dir or _default_save_dir(cfg)
+    where = "" if cfg.train.save_dir else " (the run had no --save: its default directory)"
+    text = (f"{signal.Signals(signum).name}: stopped after step {step} and saved {saved}{where}; resume with: "
+            f"{resume_command(root, not cfg.train.save_dir)}")
+    if main:
+        log.warning(text)
+    return Interrupted(text, signum)
+
+
+def _postfix(postfix: str | None, tokens_per_s: float) -> str:
+    """The bar's postfix with its token rate replaced."""
+    kept = [part for part in (postfix or "").split(", ") if part and not part.startswith("tok_s=")]
+    return ", ".join([*kept, f"tok_s={tokens_per_s:,.0f}"])
 
 
 def _report(run: Run, step: int, evaluate: bool, log_line: bool, seconds: float, beats: Heartbeat | None,
