@@ -18,6 +18,11 @@ from tests.conftest import ROOT
 TINY = str(ROOT / "configs" / "tiny_gpt.py")
 
 
+# what a new user found in generate --help and serve --help: flags that only training reads
+TRAINING_ONLY = ["--zero", "--use-distributed-optimizer", "--overlap-comm", "--ddp-bucket-size",
+                 "--pipeline-schedule", "--data-path", "--mock-data", "--loss-scale", "--grad-reduce"]
+
+
 def _help(command: str) -> str:
     return command_parser(command).format_help()
 
@@ -25,8 +30,10 @@ def _help(command: str) -> str:
 @pytest.mark.parametrize("command,has,lacks", [
     ("train", ["--train-iters", "--lr", "--mesh", "--save", "--log-level"],
      ["--prompt", "--port", "--from-hf", "--explain"]),
-    ("generate", ["--prompt", "--load", "--mesh", "--temperature"], ["--lr", "--save", "--port", "--train-iters"]),
-    ("serve", ["--port", "--host", "--load"], ["--prompt", "--lr", "--eval-iters"]),
+    ("generate", ["--prompt", "--load", "--mesh", "--rules", "--temperature", "--tokenizer"],
+     ["--lr", "--save", "--port", "--train-iters", *TRAINING_ONLY]),
+    ("serve", ["--port", "--host", "--load", "--mesh", "--tokenizer"], ["--prompt", "--lr", "--eval-iters",
+                                                                         *TRAINING_ONLY]),
     ("eval", ["--load", "--eval-iters", "--data-path"], ["--lr", "--prompt", "--save"]),
     ("convert", ["--from-hf", "--to-orbax", "--save", "--load"], ["--lr", "--mesh", "--prompt"]),
     ("plan", ["--explain", "--memory-per-device", "--devices", "--mesh"], ["--lr", "--save", "--prompt"]),

@@ -13,6 +13,7 @@ from fxmega.cli import main
 from fxmega.core import tree
 from fxmega.core.errors import CheckpointError, ConfigError
 from fxmega.models import gpt, llama, mixtral
+from fxmega.ops.init import init_params
 from fxmega.ops.rope import RopeScaling
 from fxmega.storage.convert import config_from_hf, from_hf, to_hf
 from tests.conftest import ROOT
@@ -177,11 +178,25 @@ def test_command_line_import_then_train_then_export(tmp_path, capsys):
     tuned = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out")
     moved = sum(float((a - b).abs().sum().detach()) for a, b in zip(tuned.parameters(), hf.parameters()))
     assert 0 < moved  # two training steps changed the imported weights
-    assert json.loads((tmp_path / "out" / "config.json").read_text())["n_layer"] == 2
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert exported["n_layer"] == 2
+    # bytes have no end-of-document id: said, not left to GPT-2's 50256, outside this 100-token vocabulary
+    assert exported["bos_token_id"] is None and exported["eos_token_id"] is None
+    assert tuned.generation_config.eos_token_id is None and tuned.generation_config.bos_token_id is None
     # the checkpoint records its model: exporting needs --load alone, and gives the same files
     assert main(["convert", "--load", str(tmp_path / "tuned"), "--to-hf", str(tmp_path / "again")]) == 0
     again, out = (tmp_path / d / "model.safetensors" for d in ("again", "out"))
     assert again.read_bytes() == out.read_bytes()
+
+
+def test_export_states_the_tokenizers_end_of_document_id(tmp_path):
+    cfg = gpt.Config(vocab_size=100, max_seq_len=32, d_model=64, n_layers=2, n_heads=4)
+    params = init_params(gpt.param_specs(cfg), seed=0)
+    to_hf("gpt", cfg, params, tmp_path / "gpt", eos_id=99)
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path / "gpt")
+    assert (loaded.bos_token_id, loaded.eos_token_id) == (99, 99)  # GPT-2's <|endoftext|> does both
+    with pytest.raises(ConfigError, match="eos_id=50256 is outside the model's vocabulary of 100"):
+        to_hf("gpt", cfg, params, tmp_path / "bad", eos_id=50256)
 
 
 def test_conversion_errors(tmp_path):

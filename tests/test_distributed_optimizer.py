@@ -42,8 +42,12 @@ def _plan(mesh: str, zero: int = 1, flat: bool = True):
 
 
 def test_any_data_size_shards_the_optimizer_state():
-    with pytest.raises(ConfigError, match="do not divide"):  # the per-dim layout: 3 does not divide embed 64
+    # the per-dim layout: 3 does not divide embed 64, and the error names the flag that fixes it
+    with pytest.raises(ConfigError, match="do not divide.*keep this one with --use-distributed-optimizer"):
         _plan("dp=3", flat=False)
+    with pytest.raises(ConfigError, match="do not divide") as e:  # ZeRO-3 it does not take: not offered
+        _plan("dp=3", zero=3, flat=False)
+    assert "--use-distributed-optimizer" not in str(e.value)
     total = _plan("1", zero=0, flat=False).bytes_per_rank()["opt"]
     for dp in (3, 48):
         opt = _plan(f"dp={dp}").bytes_per_rank()["opt"]

@@ -249,11 +249,19 @@ def test_finetune_command_line(tmp_path, capsys):
     valid = _write(tmp_path / "valid.jsonl", _separable(40, 6))
     code = main(["finetune", "--config", str(ROOT / "configs" / "tiny_gpt.py"), "--data-path", train, "--valid-path",
                  valid, "--no-compile", "--steps", "30", "--seq-length", "16", "--micro-batch-size", "16",
-                 "--global-batch-size", "16", "--lr", "3e-3", "--device", "cpu"])
+                 "--global-batch-size", "16", "--lr", "3e-3", "--device", "cpu", "--log-interval", "10",
+                 "--eval-interval", "15", "--log-jsonl", str(tmp_path / "log.jsonl")])
     assert code == 0
     out = capsys.readouterr().out
     accuracy = float(out.split("valid accuracy ")[1].split()[0])
     assert accuracy >= 0.8 and "over labels ['high', 'low']" in out
+    # one record per step, as pre-training writes; batch accuracy on log steps, validation on its own
+    records = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 31))
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["lr"] > 0 for r in records)
+    assert [r["step"] for r in records if "batch_accuracy" in r] == [10, 20, 30]
+    assert [r["step"] for r in records if "valid_accuracy" in r] == [15, 30]
+    assert abs(records[-1]["valid_accuracy"] - accuracy) <= 5e-4  # printed to 3 decimals
     assert main(["finetune", "--config", str(ROOT / "configs" / "tiny_gpt.py")]) == 2
     assert "finetune needs --data-path TRAIN.jsonl" in capsys.readouterr().err
 

@@ -47,9 +47,10 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("gen")
     corpus = root / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
-    args = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--data-path", str(corpus), "--no-compile"]
-    assert main([*args, "--no-progress", "--steps", "30", "--save", str(root / "ckpt")]) == 0
-    return args + ["--load", str(root / "ckpt")], corpus
+    config = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--no-compile"]
+    assert main([*config, "--data-path", str(corpus), "--no-progress", "--steps", "30", "--save",
+                 str(root / "ckpt")]) == 0
+    return config + ["--load", str(root / "ckpt")], corpus  # the checkpoint records its tokenizer
 
 
 def _library_greedy(corpus, ckpt, prompt: str, n: int) -> str:
@@ -128,3 +129,17 @@ def test_serve_on_a_tp2_mesh_answers_like_one_device(trained):
         with opener.open(urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}),
                          timeout=120) as response:  # the followers are still in step after a refusal
             assert json.loads(response.read())["choices"][0]["text"] == _library_greedy(corpus, ckpt, "over", 4)
+
+
+@pytest.mark.slow
+def test_a_prompt_too_long_for_the_context_is_one_line_whose_fixes_work(trained, capsys):
+    args, _ = trained  # tiny_gpt: a 64-token context, one token per byte
+    assert main(["generate", *args, "--prompt", "x" * 70, "--max-new-tokens", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "shorten the prompt to at most 56 tokens" in err, err
+    assert main(["generate", *args, "--prompt", "x" * 60, "--max-new-tokens", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "pass --max-new-tokens 4 or less" in err, err
+    for fixed in (["--prompt", "x" * 56, "--max-new-tokens", "8"], ["--prompt", "x" * 60, "--max-new-tokens", "4"]):
+        assert main(["generate", *args, *fixed, "--temperature", "0"]) == 0

@@ -197,6 +197,30 @@ def test_unknown_paths_and_wrong_methods(server):
         conn.close()
 
 
+def test_the_served_model_is_listed_and_another_model_is_404(server):
+    # OpenAI's clients list models first (client.models.list()): GET /v1/models must answer
+    status, out, _ = request(server, "/v1/models", method="GET")
+    assert status == 200 and out["object"] == "list" and [m["id"] for m in out["data"]] == ["tiny-gpt"]
+    assert request(server, "/v1/models/tiny-gpt", method="GET")[1]["id"] == "tiny-gpt"
+    for path, body, method in [("/v1/models/gpt-4", None, "GET"),
+                               ("/v1/completions", {"model": "gpt-4", "prompt": "hi", "max_tokens": 2}, "POST"),
+                               ("/v1/chat/completions", {"model": "gpt-4", "messages": CHAT, "max_tokens": 2}, "POST")]:
+        status, out, _ = request(server, path, body, method=method)
+        assert status == 404 and out["error"]["code"] == "model_not_found", (path, out)
+        assert "'gpt-4'" in out["error"]["message"] and "'tiny-gpt'" in out["error"]["message"]
+    assert request(server, "/v1/completions", {"model": "tiny-gpt", "prompt": "hi", "max_tokens": 2})[0] == 200
+
+
+@pytest.mark.parametrize("raw,words", [
+    (b'{"prompt": "a\\ud800b", "max_tokens": 2}', "lone UTF-16 surrogate"),
+    (b'{"prompt": ["\\udfff"], "max_tokens": 2}', "lone UTF-16 surrogate"),
+    (b"[" * 2000 + b"]" * 2000, "too deeply"),  # within the 4096-byte limit, past Python's recursion limit
+])
+def test_bodies_no_tokenizer_can_read_are_400(server, raw, words):
+    status, out, _ = request(server, "/v1/completions", raw)
+    assert status == 400 and words in out["error"]["message"], out
+
+
 CHAT = [{"role": "system", "content": "Be."}, {"role": "user", "content": "Hi?"}]  # 56 tokens rendered
 
 

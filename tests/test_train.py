@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -76,3 +77,26 @@ def test_resume_continues_bit_identically(tiny_gpt, tmp_path):
     assert losses == expected
     for a, b in zip(tree.leaves(second.params), tree.leaves(straight.params)):
         assert torch.equal(a, b)
+
+
+def test_the_progress_bar_names_the_step_of_its_loss_and_never_shows_a_zero_rate(tmp_path, capsys):
+    # between log lines no step is read: the loss shown is the last one read, labelled with
+    # its step, and the token rate is the host's, updated every step (it read tok_s=0 before)
+    assert main(["--config", str(ROOT / "configs/tiny_gpt.py"), "--mock-data", "--no-compile", "--steps", "6",
+                 "--log-interval", "100"]) == 0
+    bar = capsys.readouterr().err.replace("\r", "\n")
+    renders = [line for line in bar.splitlines() if line.startswith("train:")]
+    assert any("loss@1=" in r for r in renders), bar
+    assert "loss@6=" in renders[-1] and "6/6" in renders[-1], renders[-1]
+    assert not re.search(r"tok_s=0(?![\d.,])", bar), bar
+    assert re.search(r"tok_s=[1-9]", renders[-1]), renders[-1]
+
+
+def test_an_async_save_is_announced_when_it_is_committed(tmp_path, capsys):
+    saver = checkpoint.Checkpointer(tmp_path, async_save=True)
+    saver.save(1, {"w": torch.ones(4)}, {"step": 1})
+    assert "saved checkpoint" not in capsys.readouterr().out  # only a .tmp_ directory so far: a SIGKILL loses it
+    assert checkpoint.latest(tmp_path) is None
+    saver.wait()
+    assert f"step 1: saved checkpoint {checkpoint.step_dir(tmp_path, 1)}" in capsys.readouterr().out
+    assert checkpoint.latest(tmp_path) == checkpoint.step_dir(tmp_path, 1)

@@ -171,10 +171,14 @@ GROUPS: dict[str, list[Flag]] = {
     ],
 }
 
-# the flags of a run that only reads a model: no optimizer, no checkpoint writing
+# the flags of a run that only reads a model: no optimizer, no gradient reductions, no
+# checkpoint writing (evaluation still shards its batches: sequence and context parallelism)
 _READ = {"training": "--seed --device --no-compile --compile-backend --kernels --deterministic",
-         "checkpointing": "--load", "mixed precision": "*", "distributed": "*", "launching": "*",
-         "logging": "--log-level"}
+         "checkpointing": "--load", "mixed precision": "--precision --bf16 --fp16",
+         "distributed": "--mesh --rules --pipeline-layout --virtual-stages --sequence-parallel --cp-attention",
+         "launching": "*", "logging": "--log-level"}
+# generating decodes one token at a time from a prompt: no batches to split, no data to read
+_GENERATE = {**_READ, "distributed": "--mesh --rules --pipeline-layout --virtual-stages", "data": "--tokenizer"}
 TRAINING = ("training", "learning rate", "checkpointing", "mixed precision", "distributed", "launching", "validation",
             "data",
             "logging")
@@ -193,11 +197,10 @@ COMMANDS: dict[str, Command] = {
     "eval": Command("loss and perplexity of --load CKPT on the validation split",
                     {**_READ, "training": _READ["training"] + " --micro-batch-size --global-batch-size --loss-chunk",
                      "validation": "--eval-iters", "data": "*", "logging": "--log-level --log-jsonl"}),
-    "generate": Command("complete --prompt texts with --load CKPT",
-                        {**_READ, "data": "*", "generation": "*"}),
+    "generate": Command("complete --prompt texts with --load CKPT", {**_GENERATE, "generation": "*"}),
     "serve": Command("an HTTP completion server for --load CKPT (POST /v1/completions)",
-                     {**_READ, "data": "*", "generation": "--max-new-tokens --temperature --top-k --top-p "
-                                                                    "--stop", "serving": "*"}),
+                     {**_GENERATE, "generation": "--max-new-tokens --temperature --top-k --top-p --stop",
+                      "serving": "*"}),
     "convert": Command("Hugging Face or orbax <-> fxmega checkpoints (--from-hf DIR --save CKPT, or --load CKPT "
                        "--to-hf DIR)", {"conversion": "*", "checkpointing": "--save --load", "data": "--tokenizer",
                                         "logging": "--log-level"}),

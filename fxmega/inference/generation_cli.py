@@ -65,11 +65,30 @@ def generate_fn(run: LoadedModel) -> Callable[..., list[list[int]]]:
     return functools.partial(generate_on_mesh, run)
 
 
+def check_prompts_fit(prompts: list[list[int]], max_new_tokens: int, context: int) -> None:
+    """Refuse, naming the flags that fix it, a --prompt that leaves no room in the model's
+    ``context`` tokens for ``max_new_tokens`` more."""
+    for i, ids in enumerate(prompts, 1):
+        if len(ids) + max_new_tokens <= context:
+            continue
+        if len(ids) >= context:
+            raise ConfigError(f"--prompt {i} is {len(ids)} tokens and the model's context holds {context} "
+                              f"(model.max_seq_len), with no room for new tokens: shorten the prompt to at most "
+                              f"{max(context - max_new_tokens, 1)} tokens for --max-new-tokens {max_new_tokens}")
+        raise ConfigError(f"--prompt {i} is {len(ids)} tokens; with --max-new-tokens {max_new_tokens} that is "
+                          f"{len(ids) + max_new_tokens}, over the model's context of {context} tokens "
+                          f"(model.max_seq_len): pass --max-new-tokens {context - len(ids)} or less, or shorten the "
+                          f"prompt to at most {max(context - max_new_tokens, 1)} tokens")
+
+
 def generate_texts(run: LoadedModel, prompts: list[str], max_new_tokens: int, temperature: float, top_k: int,
                    top_p: float, stops: list[str], seed: int) -> list[str]:
     """Completions of ``prompts`` (text after each prompt, cut at the first stop string)."""
 
     tok = run.tokenizer
-    outs = generate_fn(run)([tok.encode(p) for p in prompts], max_new_tokens, temperature=temperature, top_k=top_k,
+    encoded = [tok.encode(p) for p in prompts]
+    if not is_encoder_decoder(run.model):
+        check_prompts_fit(encoded, max_new_tokens, run.cfg.model.max_seq_len)
+    outs = generate_fn(run)(encoded, max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, stop_tokens=stop_token_ids(tok, stops), seed=seed)
     return [cut_at_stop(tok.decode(ids), stops)[0] for ids in outs]

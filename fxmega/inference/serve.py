@@ -3,7 +3,8 @@
 ``POST /v1/completions`` takes and answers OpenAI's text-completion JSON, ``POST
 /v1/chat/completions`` OpenAI's chat JSON (the conversation rendered with fxmega's chat
 template, ``fxmega.data.instructions``, and answered in the assistant's turn up to the
-template's end of message); ``GET /health`` says the server is up. The model is any
+template's end of message); ``GET /v1/models`` lists the one served model (so that OpenAI's
+clients find it), and ``GET /health`` says the server is up. The model is any
 ``generate_fn(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed) -> new
 tokens per prompt``; for an fxmega model that is ``functools.partial(generate_cached, model,
 params, cfg)``, which stops at a stop token without returning it (see ``fxmega.inference.generate``)::
@@ -16,10 +17,12 @@ params, cfg)``, which stops at a stop token without returning it (see ``fxmega.i
 Status codes: 400 for a body that is not JSON or a field that is missing, ill-typed or out of
 range, including a prompt longer than ``max_prompt_tokens`` or one that leaves no room for
 ``max_tokens`` in the model's context (400, as OpenAI answers context-length errors: the
-request is well-formed bytes with a wrong value, while 413 is about the body's size); 404 for
-an unknown path, 405 for a method the path does not take; 411 without a Content-Length; 413
-for a body over ``max_body_bytes``; 500 when the generator fails. Every error body is
-``{"error": {"message", "type", "param", "code"}}`` with a message naming the field and the fix.
+request is well-formed bytes with a wrong value, while 413 is about the body's size), and for a
+lone UTF-16 surrogate or nesting too deep to parse; 404 for a model other than the served one
+(OpenAI's ``model_not_found``) and for an unknown path, 405 for a method the path does not
+take; 411 without a Content-Length; 413 for a body over ``max_body_bytes``; 500 when the
+generator fails. Every error body is ``{"error": {"message", "type", "param", "code"}}`` with a
+message naming the field and the fix.
 
 Stop strings: each one that is a single token also stops generation early; all of them are
 matched on the decoded text, which is cut before the first match (OpenAI's semantics: the
@@ -41,7 +44,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from fxmega.data.instructions import END, ROLES, prompt_text
@@ -229,6 +232,7 @@ class CompletionServer(ThreadingHTTPServer):
         super().__init__((host, port), _Handler)
         self.generate_fn, self.tokenizer, self.limits = generate_fn, tokenizer, limits
         self.model_name, self.log_requests = model_name, log_requests
+        self.started = int(time.time())  # GET /v1/models' "created"
         self._generating = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -329,15 +333,20 @@ class _Handler(BaseHTTPRequestHandler):
     def _route(self, method: str) -> None:
         routes: dict[str, dict[str, Callable[[], dict]]] = {
             "/health": {"GET": lambda: {"status": "ok", "model": self.server.model_name}},
+            "/v1/models": {"GET": lambda: {"object": "list", "data": [self._model_card()]}},
+            f"/v1/models/{self.server.model_name}": {"GET": self._model_card},
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat_completions},
         }
         path = urlsplit(self.path).path
         try:
+            if path.startswith("/v1/models/") and path not in routes:
+                self._drain(self._content_length(required=False))
+                self._unknown_model(path.removeprefix("/v1/models/"))
             if path not in routes:
                 self._drain(self._content_length(required=False))
                 raise RequestError(404, f"no such path {path}: use POST /v1/completions, POST "
-                                        f"/v1/chat/completions or GET /health",
+                                        f"/v1/chat/completions, GET /v1/models or GET /health",
                                    kind="not_found_error")
             if method not in routes[path]:
                 self._drain(self._content_length(required=False))
@@ -352,10 +361,27 @@ class _Handler(BaseHTTPRequestHandler):
                                          kind="server_error").body())
 
     def _completions(self) -> dict:
-        return self.server.complete(parse_request(self._json_body(), self.server.limits))
+        return self.server.complete(parse_request(self._served_body(), self.server.limits))
 
     def _chat_completions(self) -> dict:
-        return chat_response(self.server.complete(parse_chat_request(self._json_body(), self.server.limits)))
+        return chat_response(self.server.complete(parse_chat_request(self._served_body(), self.server.limits)))
+
+    def _model_card(self) -> dict:
+        """The served model, as OpenAI's ``GET /v1/models`` lists one."""
+        return {"id": self.server.model_name, "object": "model", "created": self.server.started, "owned_by": "fxmega"}
+
+    def _unknown_model(self, name: str) -> NoReturn:
+        raise RequestError(404, f"the model {name!r} does not exist here: this server serves "
+                                f"{self.server.model_name!r} (GET /v1/models lists it)", "model",
+                           kind="invalid_request_error", code="model_not_found")
+
+    def _served_body(self) -> Any:
+        """The JSON body, refused with 404 when it names a model other than the served one
+        (OpenAI's answer), rather than answered by a model it did not ask for."""
+        body = self._json_body()
+        if isinstance(body, dict) and body.get("model") not in (None, self.server.model_name):
+            self._unknown_model(str(body["model"]))
+        return body
 
     def _json_body(self) -> Any:
         length = self._content_length(required=True)
@@ -373,6 +399,15 @@ class _Handler(BaseHTTPRequestHandler):
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise RequestError(400, f"the body is not valid JSON ({e}); send a JSON object such as "
                                     f'{{"prompt": "Hello", "max_tokens": 16}}') from None
+        except RecursionError:
+            raise RequestError(400, "the body nests arrays or objects too deeply to read; a request is a flat JSON "
+                                    'object such as {"prompt": "Hello", "max_tokens": 16}') from None
+        try:  # JSON may escape a lone UTF-16 surrogate ("\ud800"), which is no text a tokenizer can read
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = e.object[e.start:e.end].encode("utf-8", "backslashreplace").decode()
+            raise RequestError(400, f"the body holds {bad}, a lone UTF-16 surrogate, which is not a character: "
+                                    f"send valid Unicode text (a surrogate pair, or the character itself)") from None
         return body
 
     def _content_length(self, required: bool) -> int:

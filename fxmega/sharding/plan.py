@@ -293,7 +293,9 @@ def _layout(path: str, spec: ParamSpec, rules: dict, zero: int, mesh: MeshSpec, 
         if shape[zero_dim] % split:
             raise ConfigError(f"parameter {path}: dim {zero_dim} ({spec.axes[zero_dim]}) has size {shape[zero_dim]}, "
                               f"which the data axes {'x'.join(data_axes['opt'])} (size {split}) do not divide; "
-                              f"choose data-parallel sizes that divide {shape[zero_dim]}")
+                              f"choose data-parallel sizes that divide {shape[zero_dim]}"
+                              + (", or keep this one with --use-distributed-optimizer (ZeRO-1/2 over flat buffers, "
+                                 "which any data-parallel size shards)" if zero < 3 else ""))
     if ep_dim is not None and shape[ep_dim] % mesh.size("ep"):
         raise ConfigError(f"parameter {path}: {shape[ep_dim]} experts, which ep={mesh.size('ep')} does not divide; "
                           f"choose an ep size that divides the number of experts")

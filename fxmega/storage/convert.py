@@ -289,8 +289,11 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[str, 
     return family, cfg, params
 
 
-def to_hf(family: str, cfg: Any, params: dict, path: str | Path) -> Path:
-    """Write ``params`` as a Hugging Face model directory (config.json + model.safetensors)."""
+def to_hf(family: str, cfg: Any, params: dict, path: str | Path, eos_id: int | None = None) -> Path:
+    """Write ``params`` as a Hugging Face model directory (config.json + model.safetensors).
+    ``eos_id``: the tokenizer's end-of-document id (None: it has none). A decoder's config
+    states its special ids either way: left out, transformers would assume GPT-2's 50256 or
+    Llama's 1 and 2, ids another tokenizer gives to ordinary tokens or does not have."""
     from safetensors.torch import save_file
 
     path = Path(path)
@@ -312,6 +315,11 @@ def to_hf(family: str, cfg: Any, params: dict, path: str | Path) -> Path:
         if family == "gpt":
             sd.pop("lm_head.weight")  # tied to wte: transformers re-ties it on load
         hf = config_to_hf(family, cfg, next(iter(sd.values())).dtype)
+        _require(eos_id is None or 0 <= eos_id < cfg.vocab_size,
+                 f"eos_id={eos_id} is outside the model's vocabulary of {cfg.vocab_size}: the tokenizer is not this "
+                 f"model's (give --tokenizer SPEC)")
+        # GPT-2 begins and ends a document with the same <|endoftext|>; others' begin ids are their own
+        hf |= {"bos_token_id": eos_id if family == "gpt" else None, "eos_token_id": eos_id}
     save_file({k: v.contiguous() for k, v in sd.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf, indent=2))
     return path

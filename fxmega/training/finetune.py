@@ -39,7 +39,10 @@ from fxmega.sharding.mesh import parse_mesh
 from fxmega.sharding.runtime import Parallel
 from fxmega.storage import checkpoint, run_state
 from fxmega.storage.hf_bert import load_hf_dir
+from fxmega.training import tracking
 from fxmega.training.evaluate import my_micro_batches, one_device_loss_sum
+from fxmega.training.logs import RunLog
+from fxmega.training.outcome import Pending
 from fxmega.training.run import Run
 from fxmega.training.step import compiled
 
@@ -204,30 +207,13 @@ def finetune(cfg: RunConfig, data_path: str | Path, valid_path: str | Path | Non
     (class name by id), ``valid_history`` ({step: (loss, accuracy)}), ``checkpoint``
     (path or "") and ``params``."""
     job = FineTune(cfg, data_path, valid_path, load, n_classes, tokenizer, device)
-    run, t, say = job.run, job.cfg.train, job.say
-    losses: list[float] = []
-    grad_norms: list[float] = []
-    history: dict[int, tuple[float, float]] = {}
-    pending = []  # steps launched since the last report: read from the device together, as pre-training does
-    while run.step < t.steps:
-        step = run.step + 1
-        log_line = step % t.log_interval == 0 or step == t.steps
-        evaluate = (t.eval_interval and step % t.eval_interval == 0) or step == t.steps
-        train_acc = job.batch_accuracy() if log_line else 0.0  # an extra forward, on log steps only
-        pending.append(run.launch_step())
-        if not (log_line or evaluate):
-            continue
-        outcomes, pending = run.settle(pending), []
-        losses += [out["loss"] for out in outcomes]
-        grad_norms += [out["grad_norm"] for out in outcomes]
-        if log_line:
-            out, recent = outcomes[-1], losses[-t.log_interval:]
-            say(f"step {step:>6} | loss {sum(recent) / len(recent):.4f} | batch accuracy {train_acc:.3f} | "
-                f"lr {out['lr']:.3e} | grad norm {out['grad_norm']:.3f}")
-        if evaluate:
-            history[step] = job.validate()
-            say(f"step {step}: validation loss {history[step][0]:.4f} | accuracy {history[step][1]:.3f} "
-                f"({len(job.splits.valid)} examples)")
+    t, say = job.cfg.train, job.say
+    main = job.parallel is None or job.parallel.rank == 0
+    run_log = RunLog(t.log_jsonl, t.tensorboard_dir, tracking.sinks(job.cfg, to_dict(job.cfg))) if main else RunLog()
+    try:
+        losses, grad_norms, history = _loop(job, run_log)
+    finally:
+        run_log.close()
     params = job.full_params()
     saved = _save(job.cfg, params, t.steps, job.splits.labels, job.splits.description) if t.save_dir else ""
     if saved:
@@ -236,3 +222,38 @@ def finetune(cfg: RunConfig, data_path: str | Path, valid_path: str | Path | Non
     return {"train_losses": losses, "grad_norms": grad_norms, "valid_loss": valid_loss,
             "valid_accuracy": valid_accuracy, "labels": job.splits.labels, "valid_history": history,
             "checkpoint": saved, "params": params}
+
+
+def _loop(job: FineTune, run_log: RunLog) -> tuple[list[float], list[float], dict[int, tuple[float, float]]]:
+    """The steps, read from the device at log and validation steps (as pre-training does),
+    each step a record of ``run_log``; the losses, gradient norms and validation history."""
+    run, t, say = job.run, job.cfg.train, job.say
+    losses: list[float] = []
+    grad_norms: list[float] = []
+    history: dict[int, tuple[float, float]] = {}
+    pending: list[Pending] = []  # steps launched since the last report
+    while run.step < t.steps:
+        step = run.step + 1
+        log_line = step % t.log_interval == 0 or step == t.steps
+        evaluate = (t.eval_interval and step % t.eval_interval == 0) or step == t.steps
+        train_acc = job.batch_accuracy() if log_line else 0.0  # an extra forward, on log steps only
+        pending.append(run.launch_step())
+        if not (log_line or evaluate):
+            continue
+        outcomes, steps, pending = run.settle(pending), pending, []
+        losses += [out["loss"] for out in outcomes]
+        grad_norms += [out["grad_norm"] for out in outcomes]
+        records = [{"step": p.step, **out} for p, out in zip(steps, outcomes)]
+        if log_line:
+            out, recent = outcomes[-1], losses[-t.log_interval:]
+            records[-1]["batch_accuracy"] = train_acc
+            say(f"step {step:>6} | loss {sum(recent) / len(recent):.4f} | batch accuracy {train_acc:.3f} | "
+                f"lr {out['lr']:.3e} | grad norm {out['grad_norm']:.3f}")
+        if evaluate:
+            history[step] = job.validate()
+            records[-1] |= {"valid_loss": history[step][0], "valid_accuracy": history[step][1]}
+            say(f"step {step}: validation loss {history[step][0]:.4f} | accuracy {history[step][1]:.3f} "
+                f"({len(job.splits.valid)} examples)")
+        for record in records:
+            run_log.write(record)
+    return losses, grad_norms, history
