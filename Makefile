@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test test-fast fuzz bench lint clean
+.PHONY: run test test-fast e2e fuzz bench lint clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ test: $(STAMP)  ## the whole test suite (what CI runs)
 
 test-fast: $(STAMP)  ## every module's fast tests (no multi-rank or heavy compile runs), for iterating
 	$(PY) -m pytest -q -ra -m "not slow" --durations=10 tests
+
+e2e: $(STAMP)  ## the whole user-path matrix: every strategy through run.py, trained, resumed, generated from
+	$(PY) -m pytest -q -ra --e2e --durations=20 tests/test_user_path.py
 
 fuzz: $(STAMP)  ## property tests with fresh random examples, twenty times as many as make test draws
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -ra tests/test_fuzz.py

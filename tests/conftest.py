@@ -33,6 +33,21 @@ settings.load_profile("fuzz" if FUZZING else "ci")
 torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--e2e", action="store_true",
+                     help="also run the tests marked e2e: the whole user-path matrix (make e2e)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Without --e2e, the e2e tests are deselected: make test runs the matrix' riskiest cases only."""
+    if config.getoption("--e2e"):
+        return
+    skipped = [item for item in items if "e2e" in item.keywords]
+    if skipped:
+        config.hook.pytest_deselected(items=skipped)
+        items[:] = [item for item in items if "e2e" not in item.keywords]
+
+
 @pytest.fixture(autouse=True)
 def _reset_dynamo():
     """Each test starts with no compiled graphs, so graph counts are its own."""

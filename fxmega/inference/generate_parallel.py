@@ -72,10 +72,14 @@ class DecodeLayout:
 def decode_params(parallel: Parallel, params: tree.Tree) -> tree.Tree:
     """This rank's parameters for decoding: shards over data axes (ZeRO-3, FSDP) gathered over
     those axes (a collective: every rank calls), and under tp wrapped as DTensors over the tp
-    mesh, split where training splits them (as ``Parallel._wrap`` does in the step)."""
+    mesh, split where training splits them (as ``Parallel._wrap`` does in the step).
+
+    Experts split over ep are gathered too: decoding runs every expert on every rank (a
+    batch of one token per sequence gains nothing from all-to-all dispatch), so an ep mesh
+    generates with each rank holding all the experts of its pipeline stages."""
     def one(local: torch.Tensor, lay: Any) -> torch.Tensor:
         local = local.detach()
-        if lay.data_axes["param"]:
+        if lay.data_axes["param"] or lay.ep_dim is not None:
             only_tp = [Shard(lay.tp_dim) if axis == "tp" and lay.tp_dim is not None else Replicate()
                        for axis in parallel.groups.mesh.names]
             local = parallel.shards.as_dtensor(local, lay).redistribute(parallel.groups.device_mesh, only_tp).to_local()
