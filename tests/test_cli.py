@@ -33,7 +33,8 @@ def _help(command: str) -> str:
     ("generate", ["--prompt", "--load", "--mesh", "--rules", "--temperature", "--tokenizer"],
      ["--lr", "--save", "--port", "--train-iters", *TRAINING_ONLY]),
     ("serve", ["--port", "--host", "--load", "--mesh", "--tokenizer"], ["--prompt", "--lr", "--eval-iters",
-                                                                         *TRAINING_ONLY]),
+                                                                         "--max-new-tokens", "--temperature",
+                                                                         *TRAINING_ONLY]),  # per request
     ("eval", ["--load", "--eval-iters", "--data-path"], ["--lr", "--prompt", "--save"]),
     ("convert", ["--from-hf", "--to-orbax", "--save", "--load"], ["--lr", "--mesh", "--prompt"]),
     ("plan", ["--explain", "--memory-per-device", "--devices", "--mesh"], ["--lr", "--save", "--prompt"]),

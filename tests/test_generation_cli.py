@@ -1,10 +1,8 @@
 """`run.py generate` and `run.py serve` on a trained checkpoint: the command line gives what
 the library gives, and the server answers real HTTP requests."""
 
-import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import urllib.request
@@ -15,31 +13,8 @@ from fxmega.cli import main
 from fxmega.config import load, override
 from fxmega.inference.generate import generate_cached
 from fxmega.training.run import Run
+from tests.commands import serving
 from tests.conftest import ROOT
-
-
-@contextlib.contextmanager
-def serving(args: list[str]):
-    """``run.py serve ARGS --port 0`` in a subprocess: yields its URL once it listens, and on
-    leaving interrupts it as Ctrl-C would (a mesh's launcher then stops its workers)."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "serve", *args, "--port", "0"], cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        seen, url = [], None
-        for line in proc.stdout:  # the server says where it listens once it is up
-            seen.append(line)
-            if line.removeprefix("[rank 0] ").startswith("serving "):  # a mesh's lines carry the rank
-                url = line.split(" on ")[1].split()[0]
-                break
-        assert url and url.startswith("http://127.0.0.1:"), "".join(seen)[-3000:]
-        yield url
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +118,9 @@ def test_a_prompt_too_long_for_the_context_is_one_line_whose_fixes_work(trained,
     assert len(err.splitlines()) == 1 and "pass --max-new-tokens 4 or less" in err, err
     for fixed in (["--prompt", "x" * 56, "--max-new-tokens", "8"], ["--prompt", "x" * 60, "--max-new-tokens", "4"]):
         assert main(["generate", *args, *fixed, "--temperature", "0"]) == 0
+    capsys.readouterr()
+    # left unset, --max-new-tokens is what fits (64 would not: docs/generation.md's
+    # "generate --load runs/ckpt --prompt ROMEO:" on this model was refused)
+    assert main(["generate", *args, "--prompt", "x" * 60, "--temperature", "0"]) == 0
+    completion = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("x" * 60))
+    assert len(completion) == 64, completion  # the prompt and the 4 bytes that fit (greedy: no newline)

@@ -13,14 +13,12 @@ seed and global batch, eager) within the summation-order bound of ``tests.tolera
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from fxmega.cli import config_from_args, main, parse_args
+from tests.commands import run_py
 from tests.conftest import ROOT
 from tests.tolerance import run_rtol
 
@@ -57,17 +55,6 @@ RISKIEST = ("zero3", "tp_sp", "pp_1f1b", "cp_ring", "ep")
 STEPS, FIRST = 4, 2
 # a schedule of 4 steps whichever --steps a run stops at, so that the resumed run continues it
 SCHEDULE = ("--lr-decay-iters", str(STEPS), "--log-interval", "1", "--eval-interval", str(FIRST), "--no-progress")
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
-
-
-def _run_py(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900, env=_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
 
 
 def _records(path: Path) -> dict[int, dict]:
@@ -108,9 +95,9 @@ def test_the_strategy_trains_evaluates_saves_resumes_and_generates_as_one_device
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
     args = ["--config", config, *model, *mesh, "--data-path", str(corpus), *SCHEDULE, "--save", str(ckpt),
             "--log-jsonl", str(log)]
-    first = _run_py(*args, "--steps", str(FIRST))
+    first = run_py(*args, "--steps", str(FIRST))
     assert f"step {FIRST}: validation loss" in first.stdout
-    resumed = _run_py(*args, "--steps", str(STEPS), "--load", str(ckpt))
+    resumed = run_py(*args, "--steps", str(STEPS), "--load", str(ckpt))
     assert f"resumed from {ckpt}" in resumed.stdout and f"step {STEPS}: validation loss" in resumed.stdout
     records = _records(log)
     assert sorted(records) == list(range(1, STEPS + 1))  # the resumed run went on from step 2
@@ -120,7 +107,7 @@ def test_the_strategy_trains_evaluates_saves_resumes_and_generates_as_one_device
         assert [records[s][key] for s in records] == pytest.approx([reference[s][key] for s in records], rel=rtol), key
     for s in (FIRST, STEPS):
         assert records[s]["valid_loss"] == pytest.approx(reference[s]["valid_loss"], rel=rtol)
-    generated = _run_py("generate", "--load", str(ckpt), *mesh[:2], *_generation_flags(mesh), "--prompt",
+    generated = run_py("generate", "--load", str(ckpt), *mesh[:2], *_generation_flags(mesh), "--prompt",
                         "the quick", "--max-new-tokens", "8", "--temperature", "0")
     assert "the quick" in generated.stdout and "Traceback" not in generated.stderr
 

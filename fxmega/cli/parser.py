@@ -141,7 +141,8 @@ GROUPS: dict[str, list[Flag]] = {
     ],
     "generation": [
         Flag("--prompt", "a prompt (repeat for a batch)", options={"action": "append", "default": []}),
-        Flag("--max-new-tokens", options={"type": int, "default": 64}),
+        Flag("--max-new-tokens", "tokens to generate per prompt (default: 64, or as many as the model's "
+             "context leaves after the longest prompt)", options={"type": int, "default": None}),
         Flag("--temperature", "0: greedy", options={"type": float, "default": 0.8}),
         Flag("--top-k", "sample among the k most likely tokens (0: all)", options={"type": int, "default": 0}),
         Flag("--top-p", "nucleus sampling: the smallest set with this mass", options={"type": float, "default": 1.0}),
@@ -198,9 +199,9 @@ COMMANDS: dict[str, Command] = {
                     {**_READ, "training": _READ["training"] + " --micro-batch-size --global-batch-size --loss-chunk",
                      "validation": "--eval-iters", "data": "*", "logging": "--log-level --log-jsonl"}),
     "generate": Command("complete --prompt texts with --load CKPT", {**_GENERATE, "generation": "*"}),
+    # a request names its own max_tokens, temperature, top_p and stop: serve takes none as flags
     "serve": Command("an HTTP completion server for --load CKPT (POST /v1/completions)",
-                     {**_GENERATE, "generation": "--max-new-tokens --temperature --top-k --top-p --stop",
-                      "serving": "*"}),
+                     {**_GENERATE, "serving": "*"}),
     "convert": Command("Hugging Face or orbax <-> fxmega checkpoints (--from-hf DIR --save CKPT, or --load CKPT "
                        "--to-hf DIR)", {"conversion": "*", "checkpointing": "--save --load", "data": "--tokenizer",
                                         "logging": "--log-level"}),

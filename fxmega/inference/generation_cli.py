@@ -65,6 +65,9 @@ def generate_fn(run: LoadedModel) -> Callable[..., list[list[int]]]:
     return functools.partial(generate_on_mesh, run)
 
 
+DEFAULT_NEW_TOKENS = 64  # generate's --max-new-tokens when the prompts leave room for it
+
+
 def check_prompts_fit(prompts: list[list[int]], max_new_tokens: int, context: int) -> None:
     """Refuse, naming the flags that fix it, a --prompt that leaves no room in the model's
     ``context`` tokens for ``max_new_tokens`` more."""
@@ -81,13 +84,26 @@ def check_prompts_fit(prompts: list[list[int]], max_new_tokens: int, context: in
                           f"prompt to at most {max(context - max_new_tokens, 1)} tokens")
 
 
-def generate_texts(run: LoadedModel, prompts: list[str], max_new_tokens: int, temperature: float, top_k: int,
+def new_tokens_that_fit(prompts: list[list[int]], context: int) -> int:
+    """--max-new-tokens left unset: DEFAULT_NEW_TOKENS, or fewer where the longest prompt
+    leaves less room in the model's context (a 64-token model asked "ROMEO:" answers with 58,
+    not an error); a prompt that fills the context is refused by ``check_prompts_fit``."""
+    room = context - max(map(len, prompts))
+    return min(DEFAULT_NEW_TOKENS, room) if room > 0 else DEFAULT_NEW_TOKENS
+
+
+def generate_texts(run: LoadedModel, prompts: list[str], max_new_tokens: int | None, temperature: float, top_k: int,
                    top_p: float, stops: list[str], seed: int) -> list[str]:
-    """Completions of ``prompts`` (text after each prompt, cut at the first stop string)."""
+    """Completions of ``prompts`` (text after each prompt, cut at the first stop string);
+    ``max_new_tokens`` None: as many as fit (``new_tokens_that_fit``)."""
 
     tok = run.tokenizer
     encoded = [tok.encode(p) for p in prompts]
-    if not is_encoder_decoder(run.model):
+    if is_encoder_decoder(run.model):
+        max_new_tokens = DEFAULT_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+    else:
+        if max_new_tokens is None:
+            max_new_tokens = new_tokens_that_fit(encoded, run.cfg.model.max_seq_len)
         check_prompts_fit(encoded, max_new_tokens, run.cfg.model.max_seq_len)
     outs = generate_fn(run)(encoded, max_new_tokens, temperature=temperature, top_k=top_k,
                             top_p=top_p, stop_tokens=stop_token_ids(tok, stops), seed=seed)
