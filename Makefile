@@ -21,7 +21,7 @@ test-fast: $(STAMP)  ## every module's fast tests (no multi-rank or heavy compil
 	$(PY) -m pytest -q -ra -m "not slow" --durations=10 tests
 
 e2e: $(STAMP)  ## the whole user-path matrix: every strategy through run.py, trained, resumed, generated from
-	$(PY) -m pytest -q -ra --e2e --durations=20 tests/test_user_path.py
+	$(PY) -m pytest -q -ra --e2e --durations=20 tests/test_user_path.py tests/test_doc_commands.py
 
 fuzz: $(STAMP)  ## property tests with fresh random examples, twenty times as many as make test draws
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -ra tests/test_fuzz.py

@@ -176,7 +176,7 @@ def test_documented_command_runs(page, argv, workspace, tmp_path):
     if args.command == "serve":
         port = command.index("--port")
         with serving(command[1:port] + command[port + 2:], cwd=user) as url:
-            request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(_curl_body()).encode(),
+            request = urllib.request.Request(url, data=json.dumps(_curl_body()).encode(),
                                              headers={"Content-Type": "application/json"})
             with urllib.request.urlopen(request, timeout=600) as response:
                 answer = json.load(response)
