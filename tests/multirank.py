@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "inductor-ranks" / (os.environ.get("ATEN_CPU_CAPABILITY") or "native")  # see conftest
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -60,7 +60,7 @@ def run_ranks(world: int, target: str, *args: Any, timeout: float = 900, env: di
     """``target`` ("module:function") called on ``world`` ranks; returns results by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, target, args, queue, env or {})) for r in range(world)]
     for p in procs:
         p.start()

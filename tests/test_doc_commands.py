@@ -22,7 +22,6 @@ import json
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -35,6 +34,7 @@ from fxmega.cli import main, parse_args
 from fxmega.data.preprocess import preprocess
 from tests.commands import env, run_py, serving
 from tests.conftest import ROOT
+from tests.multirank import free_port
 from tests.test_docs import ALL, FENCE, HOWTOS, PAGES
 
 # placeholders of the pages -> what the working directory holds in their place
@@ -195,12 +195,6 @@ def test_documented_command_runs(page, argv, workspace, tmp_path):
         assert re.search(rf"^(\[rank 0\] )?step {steps}\b", proc.stdout, re.M), proc.stdout[-3000:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.e2e
 @pytest.mark.parametrize("page,words", TORCHRUN, ids=[f"{page}:{' '.join(w)[:70]}" for page, w in TORCHRUN])
@@ -216,7 +210,7 @@ def test_documented_multi_node_command_runs(page, words, workspace, tmp_path):
     launcher = words[1:words.index("run.py")]
     settings = dict(zip(launcher[::2], launcher[1::2]))
     assert settings["--rdzv-backend"] == "c10d" and int(settings["--nnodes"]) >= 2, settings
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                                "--nproc-per-node", str(world // 2), "--rdzv-backend", "c10d",
                                "--rdzv-endpoint", endpoint, "--rdzv-conf", f"is_host={str(node == 0).lower()}",
