@@ -31,7 +31,10 @@ import pytest
 import torch
 
 from fxmega.cli import main, parse_args
+from fxmega.data.corpus import ensure_shakespeare
 from fxmega.data.preprocess import preprocess
+from fxmega.data.vocab_files import ensure_gpt2_ranks
+from fxmega.storage.pretrained import ensure_minilm
 from tests.commands import env, run_py, serving
 from tests.conftest import ROOT
 from tests.multirank import free_port
@@ -112,11 +115,15 @@ def workspace(tmp_path_factory) -> Path:
     runs/ckpt), a converted BERT, an Orbax export, a Hugging Face GPT-2 directory and the
     fine-tuning files. Built in this process, eager: it is the setting, not the test."""
     ws = tmp_path_factory.mktemp("user")
+    shared = ROOT / "data"  # fetched once into the repository's cache (a fresh clone has none), then linked
+    ensure_shakespeare(shared, quiet=True)
+    ensure_gpt2_ranks(shared)
+    ensure_minilm(shared)
     (ws / "configs").symlink_to(ROOT / "configs")
     (ws / "data").mkdir()
     for name in ("shakespeare", "vocab", "models"):
-        (ws / "data" / name).symlink_to(ROOT / "data" / name)
-    text = ROOT / "data" / "shakespeare" / "shakespeare.txt"
+        (ws / "data" / name).symlink_to(shared / name)
+    text = shared / "shakespeare" / "shakespeare.txt"
     small = ws / "small.txt"
     small.write_text(text.read_text()[:200_000])
     paragraphs = small.read_text().split("\n\n")
