@@ -12,6 +12,8 @@ import random
 import pytest
 import torch
 
+from fxmega.cli.commands import finetune_config
+from fxmega.cli.parser import parse_args
 from fxmega.config import load
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError, DataError
@@ -25,6 +27,7 @@ from fxmega.ops import init
 from fxmega.ops.objectives import classification_eval
 from fxmega.ops.recompute import plain_call
 from fxmega.training import finetune as ft
+from fxmega.training.run import Run
 from tests.conftest import ROOT
 from tests.tolerance import assert_within_rounding, forward_lengths, run_rtol
 
@@ -197,8 +200,6 @@ def test_save_then_load_continues_exactly(task, tmp_path):
 
 
 def test_load_language_model_checkpoint(task, tmp_path):
-    from fxmega.training.run import Run
-
     run = Run(_cfg("tiny_llama"))
     run.save(str(tmp_path / "lm"))
     frozen = dataclasses.replace(_cfg("tiny_llama", steps=1), optim=dataclasses.replace(run.cfg.optim, lr=0.0,
@@ -265,6 +266,24 @@ def test_finetune_command_line(tmp_path, capsys):
     assert main(["finetune", "--config", str(ROOT / "configs" / "tiny_gpt.py")]) == 2
     assert "finetune needs --data-path TRAIN.jsonl" in capsys.readouterr().err
 
+
+
+def test_finetune_command_takes_the_checkpoints_model(tmp_path):
+    """docs/generation.md: ``finetune --config configs/tiny_bert.py --load runs/bert-ckpt``, the
+    checkpoint a 384-wide converted BERT. The model and tokenizer are the checkpoint's, the
+    training the config's (the shapes once disagreed at load)."""
+    saved = dataclasses.replace(_cfg("tiny_llama"), data=dataclasses.replace(_cfg("tiny_llama").data,
+                                                                            tokenizer="byte"))
+    Run(saved).save(str(tmp_path / "lm"))
+    argv = ["finetune", "--config", str(ROOT / "configs" / "tiny_bert.py"), "--load", str(tmp_path / "lm"),
+            "--steps", "7"]
+    cfg = finetune_config(parse_args(argv))
+    assert cfg.model == saved.model and cfg.data.tokenizer == "byte" and cfg.train.steps == 7
+    assert cfg.optim == load(str(ROOT / "configs" / "tiny_bert.py")).optim
+    chosen = finetune_config(parse_args(argv + ["--tokenizer", "char"]))
+    assert chosen.model == saved.model and chosen.data.tokenizer == "char"
+    # no --load: the config's own model
+    assert finetune_config(parse_args(argv[:3])).model == load(str(ROOT / "configs" / "tiny_bert.py")).model
 
 # ---- on a mesh ---------------------------------------------------------------------------------
 # name -> (model config, parallel settings); one micro batch of 8 per data rank and step

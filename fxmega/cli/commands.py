@@ -40,7 +40,7 @@ from fxmega.sharding import distributed, visualize
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.runtime import Parallel
 from fxmega.sharding.strategy import plan_from
-from fxmega.storage import convert
+from fxmega.storage import checkpoint, convert
 from fxmega.storage.orbax_io import from_orbax, to_orbax
 from fxmega.training.evaluate import evaluate_checkpoint, report
 from fxmega.training.finetune import finetune
@@ -66,13 +66,36 @@ def checkpoint_config(args: argparse.Namespace) -> RunConfig:
                           f"--config FILE with --load")
     found, meta = recorded(path)
     cfg = config_from_args(args, None if args.config else recorded_config(found, meta))
-    chosen = flag(args, "--tokenizer") is not None or any(
-        o.split("=", 1)[0].strip() == "data.tokenizer" for o in args.overrides)
-    if not chosen:
+    if not _tokenizer_chosen(args):
         spec = recorded_tokenizer(found, meta)
         if spec is not None or not args.config:  # an old checkpoint under --config keeps the config's
             cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec or ""))
     return cfg
+
+
+def finetune_config(args: argparse.Namespace) -> RunConfig:
+    """``--config`` with the flags, whose model (and tokenizer, unless one is chosen) is that
+    of the fxmega checkpoint ``--load`` names, when it records one: fine-tuning continues that
+    model, so the config gives the training, not the shapes. A Hugging Face directory is read
+    later, by the fine-tuning run."""
+    cfg = _config(args)
+    path = flag(args, "--load")
+    if not path or checkpoint.resolve(path) is None:
+        return cfg
+    found, meta = recorded(path)
+    if "model" not in (meta.get("config") or {}):  # written before checkpoints described themselves
+        return cfg
+    cfg = dataclasses.replace(cfg, model=recorded_config(found, meta).model)
+    spec = recorded_tokenizer(found, meta)
+    if spec is not None and not _tokenizer_chosen(args):
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=spec))
+    log.info(f"finetune: the model ({family_name(cfg.model)}) and tokenizer are {found}'s; --config gives the training")
+    return cfg.validate(None)
+
+
+def _tokenizer_chosen(args: argparse.Namespace) -> bool:
+    return flag(args, "--tokenizer") is not None or any(
+        o.split("=", 1)[0].strip() == "data.tokenizer" for o in args.overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,7 +233,7 @@ def _eval(cfg: RunConfig, parallel: Parallel | None, device: torch.device | None
 def _finetune(args: argparse.Namespace, argv: list[str]) -> int:
     """Sequence classification (``fxmega.training.finetune``) on one device, or on the mesh's ranks
     (started with torch.distributed.run when not under a launcher already)."""
-    cfg = _config(args)
+    cfg = finetune_config(args)
     if not args.data_path:
         raise ConfigError('finetune needs --data-path TRAIN.jsonl (JSON lines of {"text": ..., "label": ...})')
     world = MeshSpec.parse(cfg.parallel.mesh).world_size
