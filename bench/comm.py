@@ -3,7 +3,7 @@
 
 For each strategy on 2 local ranks (gloo), one compiled training step of a GPT is traced
 and every collective in the graph is recorded with its size and process group (an inductor
-graph pass, fxmega.sharding.inspect). The table gives, per strategy and mesh axis, the
+graph pass, fxmega.compiler.inspect). The table gives, per strategy and mesh axis, the
 number of collectives and the bytes each rank sends with ring algorithms, beside the least
 that strategy must send:
 
@@ -68,8 +68,8 @@ def worker() -> None:
     import torch.distributed as dist
 
     from fxmega.config import ParallelConfig, load, override
-    from fxmega.sharding import distributed
-    from fxmega.sharding.inspect import record_collectives
+    from fxmega.parallel import distributed
+    from fxmega.compiler.inspect import record_collectives
     from fxmega.sharding.mesh import MeshSpec
     from fxmega.training.run import Run
     from tests.sharding_workers import STRATEGIES
@@ -118,7 +118,7 @@ if __name__ == "__main__":
 
         sys.exit(start_ranks(2, []))
     os.environ.setdefault("FXMEGA_INDUCTOR_CACHE_BASE", str(ROOT / ".cache" / "inductor-bench"))
-    from fxmega.sharding.distributed import per_rank_caches, shutdown
+    from fxmega.parallel.distributed import per_rank_caches, shutdown
 
     per_rank_caches()
     try:

@@ -72,8 +72,8 @@ def measure(cp: int, mode: str, seq: int) -> dict:
     import torch
 
     from fxmega.core.memory import current_bytes, peak_bytes, reset_peak
-    from fxmega.sharding import distributed
-    from fxmega.sharding.inspect import record_collectives
+    from fxmega.parallel import distributed
+    from fxmega.compiler.inspect import record_collectives
     from fxmega.sharding.mesh import MeshSpec
     from fxmega.training.run import Run
 
@@ -141,7 +141,7 @@ def main() -> None:
             r = measure(1, mode, int(seq))
             print("RESULT " + json.dumps(r), flush=True)
             return
-        from fxmega.sharding.distributed import per_rank_caches, shutdown
+        from fxmega.parallel.distributed import per_rank_caches, shutdown
 
         per_rank_caches()
         try:

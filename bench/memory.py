@@ -170,7 +170,7 @@ if __name__ == "__main__":
         sys.stdout.flush()
         os._exit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        from fxmega.sharding.distributed import per_rank_caches, shutdown
+        from fxmega.parallel.distributed import per_rank_caches, shutdown
 
         per_rank_caches()
         try:

@@ -128,8 +128,8 @@ def ep_worker(name: str, args: argparse.Namespace) -> None:
     graph; rank 0 prints the slowest step time and the largest peak and bytes."""
     import torch.distributed as dist
 
-    from fxmega.sharding import distributed
-    from fxmega.sharding.inspect import record_collectives
+    from fxmega.parallel import distributed
+    from fxmega.compiler.inspect import record_collectives
     from fxmega.sharding.mesh import MeshSpec
 
     cfg = run_config(models(args)[name], args, args.ep)
@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--one", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:  # one rank of an ep row, started by torch.distributed.run
-        from fxmega.sharding.distributed import per_rank_caches, shutdown
+        from fxmega.parallel.distributed import per_rank_caches, shutdown
 
         per_rank_caches()
         try:

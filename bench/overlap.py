@@ -6,7 +6,7 @@ For each strategy — DP, ZeRO-1 as the distributed optimizer, ZeRO-3 — on dp=
 compiled with inductor twice (``parallel.overlap_comm`` off and on); the table gives the
 median step time over the timed steps, the collectives in the step's generated code, how
 many of them have no kernel between their start and their wait (exposed), and the kernels
-the others run meanwhile (``fxmega.sharding.collectives.kernels_before_waits``).
+the others run meanwhile (``fxmega.compiler.generated_code.kernels_before_waits``).
 
     python bench/overlap.py [--steps 6]     # starts 2 local processes itself
 """
@@ -42,8 +42,8 @@ def worker(steps: int) -> None:
     from torch._inductor.utils import run_and_get_code
 
     from fxmega.config import ParallelConfig, load, override
-    from fxmega.sharding import distributed
-    from fxmega.sharding.collectives import kernels_before_waits
+    from fxmega.parallel import distributed
+    from fxmega.compiler.generated_code import kernels_before_waits
     from fxmega.sharding.mesh import MeshSpec
     from fxmega.training.run import Run
 
@@ -86,7 +86,7 @@ if __name__ == "__main__":
 
         sys.exit(start_ranks(2, sys.argv[1:]))
     os.environ.setdefault("FXMEGA_INDUCTOR_CACHE_BASE", str(ROOT / ".cache" / "inductor-bench"))
-    from fxmega.sharding.distributed import per_rank_caches, shutdown
+    from fxmega.parallel.distributed import per_rank_caches, shutdown
 
     per_rank_caches()
     try:

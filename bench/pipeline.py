@@ -63,7 +63,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from fxmega.sharding import distributed
+    from fxmega.parallel import distributed
     from fxmega.sharding.mesh import MeshSpec
     from fxmega.training.run import Run
 
@@ -122,7 +122,7 @@ def main() -> None:
         from fxmega.cli.launch import start_ranks
 
         sys.exit(start_ranks(args.pp, sys.argv[1:]))
-    from fxmega.sharding.distributed import per_rank_caches, shutdown
+    from fxmega.parallel.distributed import per_rank_caches, shutdown
 
     per_rank_caches()
     try:

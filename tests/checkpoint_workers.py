@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from fxmega.config import ParallelConfig
-from fxmega.sharding import distributed
+from fxmega.parallel import distributed
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.training.run import Run
 from tests.pipeline_workers import FOUR_BLOCKS

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from fxmega.core import tree
-from fxmega.sharding import distributed
+from fxmega.parallel import distributed
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.training.run import Run
 from tests.parity import record

@@ -1,5 +1,5 @@
 """Workers for tests/test_estimate.py: measure what a rank really allocates and the peak of
-its compiled forward+backward, next to what ``fxmega.sharding.estimate`` predicts."""
+its compiled forward+backward, next to what ``fxmega.planning.estimate`` predicts."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from fxmega.config import load, override
 from fxmega.core import tree
 from fxmega.models import loss_by_pieces, model_for
 from fxmega.ops import aux_loss
-from fxmega.sharding import distributed, estimate
+from fxmega.parallel import distributed
+from fxmega.planning import estimate
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.sharding.strategy import plan_from
+from fxmega.parallel.strategy import plan_from
 from tests.multirank import ROOT
 
 

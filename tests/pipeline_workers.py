@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 from fxmega.config import ParallelConfig
 from fxmega.core import tree
-from fxmega.sharding import distributed
+from fxmega.parallel import distributed
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.training.run import Run
 from tests.parity import record

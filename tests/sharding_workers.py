@@ -10,10 +10,10 @@ from torch._dynamo.utils import counters
 from fxmega.config import ParallelConfig, load, override
 from fxmega.core import tree
 from fxmega.core.memory import current_bytes, peak_bytes, reset_peak
-from fxmega.sharding import distributed
-from fxmega.sharding.inspect import record_collectives
+from fxmega.parallel import distributed
+from fxmega.compiler.inspect import record_collectives
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.sharding.runtime import Parallel
+from fxmega.parallel.runtime import Parallel
 from fxmega.training.run import Run
 from tests.multirank import ROOT
 from tests.parity import record
@@ -114,7 +114,7 @@ def vocab_parallel_cross_entropy(vocab: int) -> dict:
     from fxmega.sharding import layout
     from fxmega.sharding.plan import make_plan
     from fxmega.sharding.rules import preset
-    from fxmega.sharding.runtime import Parallel
+    from fxmega.parallel.runtime import Parallel
 
     torch.manual_seed(0)
     padded = vocab + vocab % 2

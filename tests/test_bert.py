@@ -226,7 +226,7 @@ def tp_worker(rules: str) -> dict:
     from fxmega.sharding.mesh import MeshSpec
     from fxmega.sharding.plan import make_plan
     from fxmega.sharding.rules import preset
-    from fxmega.sharding.runtime import Parallel
+    from fxmega.parallel.runtime import Parallel
 
     cfg = _tiny()
     specs = bert.param_specs(cfg)

@@ -15,7 +15,7 @@ from fxmega.models import bert, gpt, llama, lm_loss_sum
 from fxmega.ops.attention_blocks import attend_block, attend_block_backward, merge
 from fxmega.ops.init import init_params
 from fxmega.ops.layers import sdpa
-from fxmega.sharding.context import attention_work, check_context_parallel, chunk_of, head_tail_order
+from fxmega.parallel.context import attention_work, check_context_parallel, chunk_of, head_tail_order
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.training.run import Run
 from tests.multirank import run_ranks

@@ -11,9 +11,9 @@ from fxmega.cli.parser import config_from_args, parse_args
 from fxmega.config import ParallelConfig
 from fxmega.core.errors import ConfigError
 from fxmega.models import gpt
-from fxmega.sharding.collectives import buckets
-from fxmega.sharding.flat_optimizer import owned_segments
-from fxmega.sharding.strategy import plan_from
+from fxmega.parallel.collectives import buckets
+from fxmega.parallel.flat_optimizer import owned_segments
+from fxmega.parallel.strategy import plan_from
 from fxmega.training.run import Run
 from tests.multirank import ROOT, run_ranks
 from tests.parity import assert_matches_one_device, record, unpad

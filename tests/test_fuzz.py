@@ -14,7 +14,7 @@ from fxmega.cli import config_from_args, parse_args
 from fxmega.config import _all_keys, load
 from fxmega.core.errors import FxmegaError
 from fxmega.models import model_for
-from fxmega.sharding.strategy import plan_from
+from fxmega.parallel.strategy import plan_from
 from tests.conftest import FUZZING, ROOT
 
 CONFIG = ROOT / "configs" / "tiny_gpt.py"

@@ -19,7 +19,7 @@ from fxmega.inference.generate import LocalDecoder, generate_cached
 from fxmega.inference.generate_parallel import MeshDecoder, generate_on_mesh
 from fxmega.models import model_for
 from fxmega.ops.init import init_params
-from fxmega.sharding import distributed
+from fxmega.parallel import distributed
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.training.run import Run
 from tests.multirank import ROOT, run_ranks

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fxmega.config import ParallelConfig, load, override
-from fxmega.core.kernel_dump import NO_KERNELS, dump_kernels, parse_output_code
+from fxmega.compiler.kernel_dump import NO_KERNELS, dump_kernels, parse_output_code
 from fxmega.training.run import Run
 from tests.conftest import ROOT
 from tests.multirank import run_ranks
@@ -159,7 +159,7 @@ def test_one_device_inductor_dump(tmp_path):
 
 def worker(directory: str) -> list:
     """tp=2 compiled by inductor, then dp=2 by aot_eager, each dumped; returns the indexes."""
-    from fxmega.sharding import distributed
+    from fxmega.parallel import distributed
     from fxmega.sharding.mesh import MeshSpec
 
     out = []

@@ -4,15 +4,17 @@ must be placed here; a module that reaches up fails with the import that does it
 optional heavy dependencies may be imported inside functions."""
 
 import ast
+import graphlib
+from collections import defaultdict
 from pathlib import Path
 
 from tests.conftest import ROOT
 
 # lowest first: a module may import from its own layer and every layer above it in this list
 LAYERS = {
-    "core": "core core.errors core.spec core.tree core.json_files core.device core.memory core.precision "
-            "core.kernel_dump core.log sharding.layout sharding.inspect sharding.collectives sharding.mesh "
-            "sharding.rules sharding.pipeline",
+    "core": "core core.errors core.spec core.tree core.json_files core.device core.memory core.precision core.log",
+    "sharding annotations": "sharding sharding.layout sharding.mesh sharding.rules sharding.pipeline sharding.plan",
+    "compiler": "compiler compiler.inspect compiler.generated_code compiler.kernel_dump compiler.overlap",
     "building blocks": "ops ops.kernels ops.kernels.triton_ops ops.kernels.triton_norms "
                        "ops.kernels.triton_cross_entropy ops.rope ops.attention_blocks ops.layers ops.losses "
                        "ops.objectives ops.recompute ops.counter_random ops.init ops.routing ops.experts ops.aux_loss "
@@ -24,11 +26,9 @@ LAYERS = {
             "data.doc_questions "
             "data.preprocess data.sources data.tokenizer data.vocab_files data.prefetch",
     "config": "config",
-    "sharding plan": "sharding sharding.plan sharding.strategy sharding.estimate sharding.traffic "
-                     "sharding.visualize",
-    "distributed runtime": "sharding.groups sharding.ring_attention sharding.context sharding.activation_layouts "
-                           "sharding.param_shards sharding.flat_optimizer sharding.grad_sync sharding.overlap "
-                           "sharding.zero3 sharding.runtime sharding.distributed",
+    "distributed runtime": "parallel parallel.strategy parallel.collectives parallel.groups parallel.ring_attention "
+                           "parallel.context parallel.activation_layouts parallel.param_shards parallel.flat_optimizer "
+                           "parallel.grad_sync parallel.zero3 parallel.runtime parallel.distributed",
     "checkpoints and conversion": "storage storage.checkpoint_files storage.checkpoint storage.run_state "
                                   "storage.hf_files storage.hf_layout storage.hf_bert storage.hf_t5 storage.convert "
                                   "storage.pretrained "
@@ -42,8 +42,8 @@ LAYERS = {
                 "training.finetune",
     "serving": "inference.serve inference.serve_mesh inference.generation_cli inference.chat "
                "inference.translation_eval inference.qa_eval inference.code_eval",
-    "planning": "planning planning.devices planning.fake planning.exposure planning.report planning.auto "
-                "planning.summary planning.capacity",
+    "planning": "planning planning.devices planning.estimate planning.traffic planning.visualize planning.fake "
+                "planning.exposure planning.report planning.auto planning.summary planning.capacity",
     "command line": "cli cli.parser cli.launch cli.commands",
 }
 # imported inside functions because they are optional: the package imports without them
@@ -97,6 +97,24 @@ def test_imports_point_down():
                 upward.append(f"{path.relative_to(ROOT)}:{line}: {module} ({names[level[module]]}) imports "
                               f"{target} ({names[level[target]]})")
     assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
+
+
+def test_folders_import_one_way():
+    """Drawn as folders (core/, ops/, parallel/, ..., config.py on its own) and the imports
+    between them, the package has no cycle: no two folders import each other, and none
+    reaches back through a third."""
+    modules, imports = _modules(), defaultdict(set)
+    folder = lambda module: module.split(".")[1]  # noqa: E731
+    for module, path in modules.items():
+        if module == "fxmega":
+            continue
+        for _, target in _imports(ast.parse(path.read_text()), modules):
+            if target != "fxmega" and folder(target) != folder(module):
+                imports[folder(module)].add(folder(target))
+    try:
+        graphlib.TopologicalSorter(imports).prepare()
+    except graphlib.CycleError as e:
+        raise AssertionError(f"folders that import each other, round: {' -> '.join(e.args[1])}") from None
 
 
 def test_fxmega_modules_are_imported_at_module_level():

@@ -17,7 +17,7 @@ from fxmega.models import mixtral
 from fxmega.ops import experts, moe, routing
 from fxmega.planning.report import plan_report
 from fxmega.planning.summary import summary
-from fxmega.sharding.activation_layouts import ActivationLayouts
+from fxmega.parallel.activation_layouts import ActivationLayouts
 from fxmega.sharding.mesh import MeshSpec, check_model_mesh
 from fxmega.sharding.plan import format_bytes
 from fxmega.training.run import Run

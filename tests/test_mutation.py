@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
-from fxmega.sharding.activation_layouts import ActivationLayouts
-from fxmega.sharding.grad_sync import GradientSync
+from fxmega.parallel.activation_layouts import ActivationLayouts
+from fxmega.parallel.grad_sync import GradientSync
 from fxmega.training.run import Run
 from tests.multirank import run_ranks
 from tests.parity import assert_gradients_match, assert_matches_one_device, record

@@ -10,8 +10,8 @@ import torch
 from fxmega.config import override
 from fxmega.core.errors import ConfigError
 from fxmega.models import model_for
-from fxmega.sharding.collectives import gathers_ahead, kernels_before_waits
-from fxmega.sharding.overlap import inductor_options
+from fxmega.compiler.generated_code import gathers_ahead, kernels_before_waits
+from fxmega.compiler.overlap import inductor_options
 from fxmega.training.checks import check_compute
 from fxmega.training.run import Run
 from tests.multirank import run_ranks

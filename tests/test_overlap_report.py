@@ -1,5 +1,5 @@
 """What a collective can hide behind: the compute a graph puts between its start and its
-wait (``fxmega.sharding.inspect``), as ``run.py plan --rank`` reports it."""
+wait (``fxmega.compiler.inspect``), as ``run.py plan --rank`` reports it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fxmega.cli import main
 from fxmega.planning.devices import parse_profile
 from fxmega.planning.exposure import link_seconds, replay
 from fxmega.planning.fake import fake_world
-from fxmega.sharding.inspect import Collective, collectives_in
+from fxmega.compiler.inspect import Collective, collectives_in
 from fxmega.sharding.mesh import MeshSpec
 from tests.conftest import ROOT
 

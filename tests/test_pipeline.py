@@ -15,7 +15,7 @@ from fxmega.config import ParallelConfig
 from fxmega.core.errors import ConfigError
 from fxmega.models import gpt
 from fxmega.sharding.pipeline import balanced_counts, check_microbatches, make_pipeline, parse_layout
-from fxmega.sharding.strategy import plan_from
+from fxmega.parallel.strategy import plan_from
 from fxmega.training.run import Run
 from tests.conftest import ROOT
 from tests.multirank import run_ranks

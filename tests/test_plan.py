@@ -10,7 +10,7 @@ from fxmega.ops.moe import MoE
 from fxmega.sharding.mesh import MeshSpec, check_world_size, parse_mesh
 from fxmega.sharding.plan import make_plan
 from fxmega.sharding.rules import MEGATRON, Strategy, preset
-from fxmega.sharding.strategy import strategy_from
+from fxmega.parallel.strategy import strategy_from
 
 
 def tiny(**kw):

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 from fxmega.config import load, override  # noqa: E402
 from fxmega.core import tree  # noqa: E402
 from fxmega.ops import recompute  # noqa: E402
-from fxmega.sharding import zero3  # noqa: E402
+from fxmega.parallel import zero3  # noqa: E402
 from fxmega.training.run import Run  # noqa: E402
 from fxmega.training.step import compiled, enable_autograd_in_compile  # noqa: E402
 from tests.tolerance import assert_within_rounding, run_lengths  # noqa: E402
@@ -81,7 +81,7 @@ def test_recompute_lowers_peak_memory_of_the_compiled_step():
         peaks[mode], predicted[mode] = result["step_bytes"], result["predicted"]
     mib = {m: round(p / 2**20, 1) for m, p in peaks.items()}
     print(f"compiled forward+backward, peak above the resident set before it (MiB): {mib}; predicted by "
-          f"fxmega.sharding.estimate: { {m: round(p / 2**20, 1) for m, p in predicted.items()} }")
+          f"fxmega.planning.estimate: { {m: round(p / 2**20, 1) for m, p in predicted.items()} }")
     assert peaks["none"] > peaks["selective"] > peaks["full"], mib
     for mode in MODES:  # the planner's activation estimate against the measured peak
         assert 0.85 <= predicted[mode] / peaks[mode] <= 1.15, (mode, mib, predicted)

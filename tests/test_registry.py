@@ -17,7 +17,7 @@ from fxmega.core.errors import ConfigError
 from fxmega.core.spec import ONES, ZEROS, ParamSpec, normal
 from fxmega.models import family_name, model_for, registry
 from fxmega.ops import layers, objectives
-from fxmega.sharding import distributed
+from fxmega.parallel import distributed
 from fxmega.sharding.layout import shard
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.training.run import Run

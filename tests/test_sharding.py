@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fxmega.core import tree
-from fxmega.sharding.collectives import buckets
+from fxmega.parallel.collectives import buckets
 from fxmega.training.run import Run
 from tests.multirank import run_ranks
 from tests.parity import assert_matches_one_device, record, unpad

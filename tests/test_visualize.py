@@ -13,8 +13,8 @@ from fxmega.models import gpt
 from fxmega.sharding.mesh import parse_mesh
 from fxmega.sharding.plan import make_plan
 from fxmega.sharding.rules import FSDP, Strategy, preset
-from fxmega.sharding.strategy import plan_from
-from fxmega.sharding.visualize import grid, plan_html, shard_blocks, show, show_param, write_plan_html
+from fxmega.parallel.strategy import plan_from
+from fxmega.planning.visualize import grid, plan_html, shard_blocks, show, show_param, write_plan_html
 
 
 def specs(**kw):

@@ -36,10 +36,11 @@ from fxmega.ops.init import count_params
 from fxmega.planning import auto, devices
 from fxmega.planning.report import parse_bytes, plan_report
 from fxmega.planning.summary import summary
-from fxmega.sharding import distributed, visualize
+from fxmega.parallel import distributed
+from fxmega.planning import visualize
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.sharding.runtime import Parallel
-from fxmega.sharding.strategy import plan_from
+from fxmega.parallel.runtime import Parallel
+from fxmega.parallel.strategy import plan_from
 from fxmega.storage import checkpoint, convert
 from fxmega.storage.orbax_io import from_orbax, to_orbax
 from fxmega.training.evaluate import evaluate_checkpoint, report

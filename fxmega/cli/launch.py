@@ -34,7 +34,7 @@ from fxmega.models.registry import ModelFamily
 from fxmega.planning.capacity import Machine, check_capacity
 from fxmega.planning.fake import fake_world
 from fxmega.planning.report import estimate_plan
-from fxmega.sharding.distributed import rank_parallel
+from fxmega.parallel.distributed import rank_parallel
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh
 from fxmega.training.checks import preflight
 from fxmega.training.interrupt import SIGNALS

@@ -40,9 +40,9 @@ from fxmega.inference.generate import Cache, LocalDecoder, decode
 from fxmega.models.pieces import blocks_of, decode_pieces
 from fxmega.models.registry import ModelConfig, ModelFamily
 from fxmega.sharding import layout
-from fxmega.sharding.activation_layouts import ActivationLayouts
+from fxmega.parallel.activation_layouts import ActivationLayouts
 from fxmega.sharding.pipeline import Stage
-from fxmega.sharding.runtime import Parallel
+from fxmega.parallel.runtime import Parallel
 
 # the heads dim of a cache tensor [batch, max_len, kv_heads, head_dim]
 CACHE_HEADS_DIM = 2

@@ -18,7 +18,7 @@ from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq,
 from fxmega.inference.serve import cut_at_stop, stop_token_ids
 from fxmega.models import family_name, model_for
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.sharding.runtime import Parallel
+from fxmega.parallel.runtime import Parallel
 
 
 def check_generator(cfg: RunConfig) -> None:

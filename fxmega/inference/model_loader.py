@@ -26,7 +26,7 @@ from fxmega.data.tokenizer import Tokenizer, build_tokenizer, stored_spec
 from fxmega.models import model_for
 from fxmega.models.registry import ModelFamily
 from fxmega.ops.init import init_params
-from fxmega.sharding.runtime import Parallel
+from fxmega.parallel.runtime import Parallel
 from fxmega.storage import checkpoint, run_state
 from fxmega.storage.checkpoint_files import read_meta
 

@@ -1,5 +1,5 @@
 """What one block keeps for its backward, declared by each family as data: the memory
-estimate (``fxmega.sharding.estimate``) sizes it on a rank's local shapes and sums it per
+estimate (``fxmega.planning.estimate``) sizes it on a rank's local shapes and sums it per
 recompute mode, without knowing which family it prices.
 
 An entry ``Saved(name, count, width, dtype, residual, kind)`` is a tensor of ``tokens x
@@ -16,7 +16,7 @@ dtype     ``act`` (the compute dtype), ``fp32``, ``fp32_copy`` (an fp32 cast of 
           ``bool`` (masks)
 residual  on the residual stream's side, so split along the sequence under sequence
           parallelism
-kind      when it is kept (``fxmega.sharding.estimate.KEPT``):
+kind      when it is kept (``fxmega.planning.estimate.KEPT``):
           ``input``           the block's input, kept in every mode
           ``autograd_input``  a copy of the input that only plain autograd keeps (an fp32 cast)
           ``region_input``    the input as a recomputed region keeps it (selective, full)

@@ -113,7 +113,7 @@ IN_ORDER = Attend(False, None, None)  # a batch without padding, in order, witho
 
 
 class Context(Protocol):
-    """What attention needs of context parallelism (``fxmega.sharding.context.ContextParallel``):
+    """What attention needs of context parallelism (``fxmega.parallel.context.ContextParallel``):
     the other ranks' chunks, gathered or exchanged for head groups."""
 
     mode: str

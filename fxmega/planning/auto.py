@@ -10,7 +10,7 @@ all-gather and ring attention: the ring holds less, the all-gather sends less.
 Each goes through the same planner and checks a real run goes through (``plan_from``,
 ``validate``, the schedule's micro-batch rules), so a candidate that does not divide is
 rejected with the planner's own message. The survivors are priced by
-``fxmega.sharding.estimate`` and ``fxmega.sharding.traffic``: memory per rank against the
+``fxmega.planning.estimate`` and ``fxmega.planning.traffic``: memory per rank against the
 budget, and step time
 
     compute  = model FLOPs per rank x (4/3 with full recompute) / (peak x efficiency)
@@ -44,10 +44,10 @@ from fxmega.core.errors import ConfigError
 from fxmega.models import model_for
 from fxmega.planning.devices import DeviceProfile
 from fxmega.planning.report import estimate_plan, text_table
-from fxmega.sharding.context import check_context_parallel
+from fxmega.parallel.context import check_context_parallel
 from fxmega.sharding.mesh import check_model_mesh
 from fxmega.sharding.pipeline import check_microbatches
-from fxmega.sharding.strategy import plan_from
+from fxmega.parallel.strategy import plan_from
 from fxmega.training.metrics import model_flops_per_token
 
 SCHEDULE_CHOICES = (("1f1b", 1), ("interleaved-1f1b", 2))

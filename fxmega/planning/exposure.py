@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fxmega.planning.devices import DeviceProfile
-from fxmega.sharding.inspect import Collective
+from fxmega.compiler.inspect import Collective
 from fxmega.sharding.mesh import MeshSpec
 
 

@@ -27,10 +27,10 @@ from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.core.precision import compute_dtype
 from fxmega.models import loss_by_pieces, model_for
-from fxmega.sharding.distributed import checked_plan, rank_parallel
-from fxmega.sharding.inspect import Collective, record_collectives
+from fxmega.parallel.distributed import checked_plan, rank_parallel
+from fxmega.compiler.inspect import Collective, record_collectives
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh
-from fxmega.sharding.runtime import Parallel
+from fxmega.parallel.runtime import Parallel
 from fxmega.training.optim import AdamWHyper, decay_mask
 from fxmega.training.pipeline_step import PipelineStep
 from fxmega.training.step import TrainStep

@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from fxmega.core.errors import ConfigError
-from fxmega.core.kernel_dump import dump_kernels
+from fxmega.compiler.kernel_dump import dump_kernels
 from fxmega.models import family_name, model_for
 from fxmega.planning import exposure, fake
 from fxmega.planning.devices import PROFILES, DeviceProfile
-from fxmega.sharding import estimate
+from fxmega.planning import estimate
 from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
 from fxmega.sharding.pipeline import SPLIT_BACKWARD
 from fxmega.sharding.plan import ShardingPlan, format_bytes
-from fxmega.sharding.strategy import plan_from
-from fxmega.sharding.traffic import AxisTraffic, communication
+from fxmega.parallel.strategy import plan_from
+from fxmega.planning.traffic import AxisTraffic, communication
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -157,7 +157,7 @@ def text_table(rows: list[tuple]) -> list[str]:
 def plan_report(cfg: Any, budget: int | None = None, rank: int | None = None, verify: bool = True,
                 dump_dir: str | None = None, profile: DeviceProfile = PROFILES["h100"]) -> str:
     """The ``run.py plan`` text for ``cfg`` (its ``parallel.mesh``), optionally tracing ``rank``
-    (and writing its traced graphs under ``dump_dir``, see ``fxmega.core.kernel_dump``) and
+    (and writing its traced graphs under ``dump_dir``, see ``fxmega.compiler.kernel_dump``) and
     replaying its collectives at ``profile``'s rates (``fxmega.planning.exposure``)."""
 
     model = model_for(cfg.model)

@@ -70,7 +70,7 @@ class Strategy:
     zero: int = 0
     name: str = "custom"
     # ZeRO-1/2 as Megatron's distributed optimizer: flat buffers split in contiguous ranges
-    # (fxmega.sharding.flat_optimizer) instead of each parameter split along its embed dim
+    # (fxmega.parallel.flat_optimizer) instead of each parameter split along its embed dim
     flat: bool = False
 
 

@@ -24,7 +24,7 @@ from fxmega.core.errors import CheckpointError
 from fxmega.core.precision import LossScaler
 from fxmega.data.tokenizer import Tokenizer, portable
 from fxmega.models import family_name
-from fxmega.sharding.runtime import Parallel
+from fxmega.parallel.runtime import Parallel
 from fxmega.storage import checkpoint
 
 FORMAT = 1

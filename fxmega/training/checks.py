@@ -17,7 +17,7 @@ from fxmega.core.errors import ConfigError
 from fxmega.models import family_name
 from fxmega.models.registry import ModelFamily
 from fxmega.ops import kernels
-from fxmega.sharding.distributed import checked_plan
+from fxmega.parallel.distributed import checked_plan
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.plan import ShardingPlan
 

@@ -21,7 +21,7 @@ from fxmega.models import lm_loss_sum, loss_by_pieces
 from fxmega.models.registry import ModelFamily
 from fxmega.ops import kernels, recompute
 from fxmega.ops.objectives import Objective, global_count
-from fxmega.sharding.runtime import Parallel
+from fxmega.parallel.runtime import Parallel
 from fxmega.training.optim import AdamWHyper
 from fxmega.training.pipeline_step import PipelineStep
 from fxmega.training.step import EvalStep, LossSumFn

@@ -34,9 +34,9 @@ from fxmega.data.tokenizer import build_tokenizer
 from fxmega.models import bert, family_name, loss_by_pieces, model_for
 from fxmega.models.classifier import Classifier
 from fxmega.ops.init import init_params
-from fxmega.sharding import distributed
+from fxmega.parallel import distributed
 from fxmega.sharding.mesh import parse_mesh
-from fxmega.sharding.runtime import Parallel
+from fxmega.parallel.runtime import Parallel
 from fxmega.storage import checkpoint, run_state
 from fxmega.storage.hf_bert import load_hf_dir
 from fxmega.training import tracking

@@ -38,7 +38,7 @@ from fxmega.ops import aux_loss
 from fxmega.ops.objectives import Objective, global_count
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import SCHEDULES, SPLIT_BACKWARD, Stage, check_microbatches
-from fxmega.sharding.runtime import Parallel
+from fxmega.parallel.runtime import Parallel
 from fxmega.training.optim import AdamWHyper
 from fxmega.training.step import compiled
 from fxmega.training.update import Update

@@ -25,8 +25,8 @@ from fxmega.models import loss_by_pieces, model_for
 from fxmega.models.registry import ModelFamily
 from fxmega.ops import aux_loss, kernels, recompute, tied_embedding_grad
 from fxmega.ops.init import init_params
-from fxmega.sharding import overlap
-from fxmega.sharding.runtime import Parallel
+from fxmega.compiler import overlap
+from fxmega.parallel.runtime import Parallel
 from fxmega.storage import checkpoint, run_state
 from fxmega.training import faults
 from fxmega.training.checks import check_run

@@ -27,8 +27,8 @@ from fxmega.core import tree
 from fxmega.ops import aux_loss
 from fxmega.ops.objectives import global_count
 from fxmega.ops.phases import backward_phase
-from fxmega.sharding.inspect import aot_eager_backend
-from fxmega.sharding.runtime import Parallel
+from fxmega.compiler.inspect import aot_eager_backend
+from fxmega.parallel.runtime import Parallel
 from fxmega.training.optim import AdamWHyper
 from fxmega.training.update import Update
 
@@ -80,7 +80,7 @@ class TrainStep:
     so); the step differentiates with respect to them and updates them in place.
 
     ``loss_sum_fn(flat_params, batch)`` returns the summed loss of one micro batch on this
-    rank. With ``parallel`` (a ``fxmega.sharding.runtime.Parallel``) the parameters are this
+    rank. With ``parallel`` (a ``fxmega.parallel.runtime.Parallel``) the parameters are this
     rank's shards, and the step adds the cross-rank work: gradient reduction over the data
     axes (bucketed; reduce-scatter for ZeRO), the global gradient norm over all shards, the
     update of this rank's optimizer shard, and the all-gather of updated ZeRO-1/2 shards.

@@ -15,12 +15,12 @@ import torch
 from tqdm import tqdm
 
 from fxmega.config import RunConfig, to_dict
-from fxmega.core.kernel_dump import dump_kernels
+from fxmega.compiler.kernel_dump import dump_kernels
 from fxmega.core.log import get_logger
 from fxmega.core.memory import peak_bytes, reset_peak
 from fxmega.models import family_name
 from fxmega.ops.init import count_params
-from fxmega.sharding.runtime import Parallel
+from fxmega.parallel.runtime import Parallel
 from fxmega.training import faults, tracking
 from fxmega.training.heartbeat import Heartbeat
 from fxmega.training.interrupt import Interrupted, StopOnSignal, resume_command

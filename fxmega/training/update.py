@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxmega.sharding.runtime import Parallel
+from fxmega.parallel.runtime import Parallel
 from fxmega.training.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms, sign_update_
 
 Grads = list[torch.Tensor]

@@ -8,7 +8,7 @@ shards (ZeRO-1's dp) and all-reduced over the axes that hold replicas (plain dat
 parallelism). After a ZeRO-1/2 update, the updated shards are all-gathered back.
 
 With the distributed optimizer (``Strategy.flat``) the sums over replicas are instead
-reduce-scattered as flat buckets (``fxmega.sharding.flat_optimizer``) and the update runs
+reduce-scattered as flat buckets (``fxmega.parallel.flat_optimizer``) and the update runs
 over the segments this rank owns; ``owners`` says whose parameter each is.
 """
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from fxmega.sharding import collectives
-from fxmega.sharding.flat_optimizer import FlatOptimizerShards
-from fxmega.sharding.groups import ProcessGroups
+from fxmega.parallel import collectives
+from fxmega.parallel.flat_optimizer import FlatOptimizerShards
+from fxmega.parallel.groups import ProcessGroups
 from fxmega.sharding.plan import ParamLayout
 
 # one bucket's collective: (op, group, group size, tensor indices, the dims it splits)

@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fxmega.core import tree
 from fxmega.core.spec import ParamSpec
 from fxmega.ops.init import init_slice
-from fxmega.sharding.groups import ProcessGroups
+from fxmega.parallel.groups import ProcessGroups
 from fxmega.sharding.plan import ParamLayout, ShardingPlan
 
 

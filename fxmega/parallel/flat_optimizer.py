@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fxmega.sharding import collectives
-from fxmega.sharding.collectives import Group
-from fxmega.sharding.groups import ProcessGroups
+from fxmega.parallel import collectives
+from fxmega.parallel.collectives import Group
+from fxmega.parallel.groups import ProcessGroups
 from fxmega.sharding.plan import ParamLayout
 
 

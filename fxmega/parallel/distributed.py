@@ -22,11 +22,11 @@ from fxmega.core.device import kernel_cache_name
 from fxmega.core.log import get_logger
 from fxmega.models import model_for
 from fxmega.models.registry import ModelFamily
-from fxmega.sharding.context import check_context_parallel
+from fxmega.parallel.context import check_context_parallel
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh, check_model_mesh, check_world_size
 from fxmega.sharding.plan import ShardingPlan
-from fxmega.sharding.runtime import Parallel
-from fxmega.sharding.strategy import plan_from
+from fxmega.parallel.runtime import Parallel
+from fxmega.parallel.strategy import plan_from
 
 log = get_logger(__name__)
 

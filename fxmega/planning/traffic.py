@@ -1,5 +1,5 @@
 """What a step sends, per rank and mesh axis, from the plan alone (the companion of
-``fxmega.sharding.estimate``, whose block shapes it reads).
+``fxmega.planning.estimate``, whose block shapes it reads).
 
 Communication per step, bytes each rank sends (ring algorithms: all-reduce 2(W-1)/W of the
 buffer, all-gather and reduce-scatter (W-1)/W of the full buffer), per mesh axis:
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxmega.models import model_for
-from fxmega.sharding import collectives
-from fxmega.sharding.estimate import (
+from fxmega.parallel import collectives
+from fxmega.planning.estimate import (
     DTYPE_BYTES,
     FP32,
     BlockShape,

@@ -29,13 +29,13 @@ from fxmega.config import ComputeConfig
 from fxmega.core import precision, tree
 from fxmega.ops.recompute import checkpointed
 from fxmega.sharding import layout
-from fxmega.sharding.activation_layouts import ActivationLayouts
-from fxmega.sharding.context import ContextParallel, chunk_of
-from fxmega.sharding.grad_sync import GradientSync
-from fxmega.sharding.groups import ProcessGroups
-from fxmega.sharding.param_shards import ParamShards
+from fxmega.parallel.activation_layouts import ActivationLayouts
+from fxmega.parallel.context import ContextParallel, chunk_of
+from fxmega.parallel.grad_sync import GradientSync
+from fxmega.parallel.groups import ProcessGroups
+from fxmega.parallel.param_shards import ParamShards
 from fxmega.sharding.plan import ShardingPlan
-from fxmega.sharding.zero3 import gathered_call
+from fxmega.parallel.zero3 import gathered_call
 
 
 class PiecewiseLoss(Protocol):
@@ -49,7 +49,7 @@ class PiecewiseLoss(Protocol):
 
 class Parallel:
     """This rank's part of a sharded run: built once per process from the plan and the
-    DeviceMesh (``fxmega.sharding.distributed.setup``), used by the training loop (init,
+    DeviceMesh (``fxmega.parallel.distributed.setup``), used by the training loop (init,
     checkpoints), the compiled steps, evaluation and generation."""
 
     def __init__(self, plan: ShardingPlan, device_mesh: DeviceMesh, rank: int, specs: tree.Tree,

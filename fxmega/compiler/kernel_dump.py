@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from fxmega.sharding.collectives import kernels_before_waits
-from fxmega.sharding.inspect import _GRAPH_HOOKS, Collective, collectives_in
+from fxmega.compiler.generated_code import kernels_before_waits
+from fxmega.compiler.inspect import _GRAPH_HOOKS, Collective, collectives_in
 
 KINDS = {"cpp": "fused C++", "triton": "Triton", "extern": "extern", "aten": "aten fallback", "op": "custom op",
          "collective": "collective", "wait": "wait"}

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from fxmega.ops import recompute as block_recompute
 from fxmega.ops.phases import backward_phase
-from fxmega.sharding.collectives import all_gather, reduce_scatter
+from fxmega.parallel.collectives import all_gather, reduce_scatter
 
 _ops = torch.ops
 # Produced by gathering and unpacking parameters; cheap to redo, expensive to keep.

@@ -9,7 +9,7 @@ ones); attention-like functions run per shard with ``local_map``.
 
 Over cp, every tensor is this rank's chunks of the sequence as a plain local tensor (as over
 the data axes); the DTensors, where tp makes them, hold those chunks. Only attention reaches
-across the chunks, through ``context`` (``fxmega.sharding.context.ContextParallel``): its
+across the chunks, through ``context`` (``fxmega.parallel.context.ContextParallel``): its
 functional collectives run inside the local function.
 
 Over ep, activations are plain local tensors too (each ep rank reads its own micro batches);
@@ -28,8 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import local_map
 
-from fxmega.sharding.context import ContextParallel
-from fxmega.sharding.groups import ProcessGroups
+from fxmega.parallel.context import ContextParallel
+from fxmega.parallel.groups import ProcessGroups
 from fxmega.sharding.plan import ParamLayout, ShardingPlan
 from fxmega.sharding.rules import mesh_axes_of
 

@@ -8,7 +8,7 @@ still runs) and each wait down to just before the first use of its result
 (``sink_waits``). That is Megatron's ``--overlap-grad-reduce`` / ``--overlap-param-gather``
 done by the compiler on the whole graph: ZeRO's gathers and reduce-scatters, tp's and the
 data axes' collectives alike: with them on, the tiny GPT's gradient reductions on dp=2 have
-compute before their waits (``collectives.kernels_before_waits``; tests/test_overlap.py).
+compute before their waits (``generated_code.kernels_before_waits``; tests/test_overlap.py).
 One pass is fxmega's own, ``bound_gather_prefetch``: it keeps all-gathers one piece ahead,
 which ``raise_comms`` does not (see there).
 

@@ -24,7 +24,7 @@ Micro batches in flight on pp rank r (n micro batches per step): no pipeline 1; 
 1F1B min(pp - r, n); interleaved-1F1B min(2(pp - r - 1) + (v - 1) pp + 1, n v) stage chunks
 of L/(pp v) blocks (Megatron's warm-up count); zero-bubble like interleaved.
 
-What a step sends is ``fxmega.sharding.traffic``, over the shapes this module reads off
+What a step sends is ``fxmega.planning.traffic``, over the shapes this module reads off
 the plan (``block_shapes``).
 """
 

@@ -23,7 +23,7 @@ from fxmega.core.errors import ConfigError
 from fxmega.models.registry import ModelFamily
 from fxmega.ops.phases import backward_phase
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.sharding.ring_attention import ring_attention
+from fxmega.parallel.ring_attention import ring_attention
 
 
 class SumGradOverContext(torch.autograd.Function):
