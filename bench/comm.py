@@ -67,9 +67,9 @@ def worker() -> None:
     import torch
     import torch.distributed as dist
 
+    from fxmega.compiler.inspect import record_collectives
     from fxmega.config import ParallelConfig, load, override
     from fxmega.parallel import distributed
-    from fxmega.compiler.inspect import record_collectives
     from fxmega.sharding.mesh import MeshSpec
     from fxmega.training.run import Run
     from tests.sharding_workers import STRATEGIES

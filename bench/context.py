@@ -71,9 +71,9 @@ def measure(cp: int, mode: str, seq: int) -> dict:
     """One run on this process's rank (or alone for cp=1)."""
     import torch
 
+    from fxmega.compiler.inspect import record_collectives
     from fxmega.core.memory import current_bytes, peak_bytes, reset_peak
     from fxmega.parallel import distributed
-    from fxmega.compiler.inspect import record_collectives
     from fxmega.sharding.mesh import MeshSpec
     from fxmega.training.run import Run
 

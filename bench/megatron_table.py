@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from fxmega.config import ComputeConfig, ParallelConfig, RunConfig, TrainConfig  # noqa: E402
 from fxmega.models import gpt  # noqa: E402
 from fxmega.ops.init import count_params  # noqa: E402
+from fxmega.parallel.strategy import plan_from  # noqa: E402
 from fxmega.planning import auto, devices  # noqa: E402
 from fxmega.planning.report import estimate_plan  # noqa: E402
-from fxmega.parallel.strategy import plan_from  # noqa: E402
 
 # size, heads, hidden, layers, TP, PP, DP, GPUs, global batch, their TFLOP/s per GPU, MFU
 MEGATRON_H100 = [

@@ -128,8 +128,8 @@ def ep_worker(name: str, args: argparse.Namespace) -> None:
     graph; rank 0 prints the slowest step time and the largest peak and bytes."""
     import torch.distributed as dist
 
-    from fxmega.parallel import distributed
     from fxmega.compiler.inspect import record_collectives
+    from fxmega.parallel import distributed
     from fxmega.sharding.mesh import MeshSpec
 
     cfg = run_config(models(args)[name], args, args.ep)

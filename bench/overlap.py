@@ -41,9 +41,9 @@ def worker(steps: int) -> None:
     import torch.distributed as dist
     from torch._inductor.utils import run_and_get_code
 
+    from fxmega.compiler.generated_code import kernels_before_waits
     from fxmega.config import ParallelConfig, load, override
     from fxmega.parallel import distributed
-    from fxmega.compiler.generated_code import kernels_before_waits
     from fxmega.sharding.mesh import MeshSpec
     from fxmega.training.run import Run
 

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fxmega.core.compute import ComputeConfig
 from fxmega.core.errors import ConfigError
 from fxmega.data.gpt_dataset import parse_split
 from fxmega.models import family_name, model_for, registry
-from fxmega.models.registry import ModelConfig
+from fxmega.models.family import ModelConfig
 from fxmega.sharding.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 
 CP_ATTENTION = ("allgather", "ring", "a2a")  # parallel.cp_attention
@@ -77,6 +78,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
+    optimizer: str = "adamw"  # fxmega.optim's registry: adamw
     lr: float = 6e-4
     min_lr: float = 0.0
     schedule: str = "cosine"  # constant | linear | cosine | wsd | inverse-sqrt
@@ -144,24 +146,6 @@ class ParallelConfig:
     # how attention reaches keys on other cp ranks (Megatron: --cp-comm-type): allgather (each
     # rank gathers the keys and values) or a2a (Ulysses: all-to-all from sequence to head shards)
     cp_attention: str = "allgather"
-
-
-@dataclass(frozen=True)
-class ComputeConfig:
-    """How the step computes: precision, activation recompute, kernels (Megatron's mixed
-    precision and activation recompute flags)."""
-
-    precision: str = "fp32"  # fp32 | bf16 | fp16: compute dtype; parameters (masters) and AdamW state stay fp32
-    grad_reduce: str = "fp32"  # fp32 | bf16: dtype of data-parallel gradient reductions (bf16 halves their bytes)
-    loss_scale: float = 0.0  # fp16: a fixed loss scale; 0 scales dynamically (Megatron: --loss-scale)
-    initial_loss_scale: float = 2.0**32  # fp16 dynamic scaling (Megatron: --initial-loss-scale)
-    min_loss_scale: float = 1.0  # never scale below this (Megatron: --min-loss-scale)
-    loss_scale_window: int = 1000  # clean steps before the scale doubles (Megatron: --loss-scale-window)
-    hysteresis: int = 2  # overflows tolerated before the scale first halves (Megatron: --hysteresis)
-    recompute: str = "none"  # none | selective (keep matmul outputs, redo the rest) | full (redo whole blocks)
-    recompute_layers: int = 0  # recompute only the first N blocks; 0: all (Megatron: --recompute-num-layers)
-    kernels: str = "reference"  # reference (compiled PyTorch) | triton (hand-written norms and cross-entropy, CUDA)
-    loss_chunk: int = 0  # tokens per cross-entropy chunk: fp32 logits exist for one chunk at a time; 0: whole batch
 
 
 @dataclass(frozen=True)
@@ -237,7 +221,7 @@ def _build(cls: type, values: Any, where: str) -> Any:
                   for k, v in values.items()})
 
 
-def override(cfg: Any, assignments: list[str]) -> Any:
+def override(cfg: RunConfig, assignments: list[str]) -> RunConfig:
     """Apply ``key.path=value`` assignments, parsing each value as its field's type."""
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")

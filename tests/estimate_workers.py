@@ -10,9 +10,9 @@ from fxmega.core import tree
 from fxmega.models import loss_by_pieces, model_for
 from fxmega.ops import aux_loss
 from fxmega.parallel import distributed
+from fxmega.parallel.strategy import plan_from
 from fxmega.planning import estimate
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.parallel.strategy import plan_from
 from tests.multirank import ROOT
 
 

@@ -7,8 +7,8 @@ import dataclasses
 import torch
 from torch._inductor.utils import run_and_get_code
 
-from fxmega.parallel import distributed
 from fxmega.compiler.generated_code import gathers_ahead, kernels_before_waits
+from fxmega.parallel import distributed
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.training.run import Run
 from tests.parity import record

@@ -7,13 +7,13 @@ import dataclasses
 import torch
 from torch._dynamo.utils import counters
 
+from fxmega.compiler.inspect import record_collectives
 from fxmega.config import ParallelConfig, load, override
 from fxmega.core import tree
 from fxmega.core.memory import current_bytes, peak_bytes, reset_peak
 from fxmega.parallel import distributed
-from fxmega.compiler.inspect import record_collectives
-from fxmega.sharding.mesh import MeshSpec
 from fxmega.parallel.runtime import Parallel
+from fxmega.sharding.mesh import MeshSpec
 from fxmega.training.run import Run
 from tests.multirank import ROOT
 from tests.parity import record
@@ -111,10 +111,10 @@ def vocab_parallel_cross_entropy(vocab: int) -> dict:
 
     from fxmega.models import gpt
     from fxmega.ops import layers
+    from fxmega.parallel.runtime import Parallel
     from fxmega.sharding import layout
     from fxmega.sharding.plan import make_plan
     from fxmega.sharding.rules import preset
-    from fxmega.parallel.runtime import Parallel
 
     torch.manual_seed(0)
     padded = vocab + vocab % 2

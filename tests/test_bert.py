@@ -222,11 +222,11 @@ def tp_worker(rules: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    from fxmega.parallel.runtime import Parallel
     from fxmega.sharding import layout
     from fxmega.sharding.mesh import MeshSpec
     from fxmega.sharding.plan import make_plan
     from fxmega.sharding.rules import preset
-    from fxmega.parallel.runtime import Parallel
 
     cfg = _tiny()
     specs = bert.param_specs(cfg)

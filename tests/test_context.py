@@ -82,7 +82,7 @@ def test_out_of_order_tokens_with_positions_give_the_same_loss(module, name, pad
 
 def test_refusals():
     cfg = tiny_config(model="tiny_gpt")
-    for mesh, model, message in [("cp=2", bert, "the bert model does not take out-of-order positions")]:
+    for mesh, model, message in [("cp=2", bert.FAMILY, "the bert model does not take out-of-order positions")]:
         with pytest.raises(ConfigError, match=message):
             check_context_parallel(dataclasses.replace(cfg, parallel=ParallelConfig(mesh=mesh)),
                                    MeshSpec.parse(mesh), model)
@@ -90,12 +90,12 @@ def test_refusals():
                                                      "train.seq_len=64"])
     with pytest.raises(ConfigError, match="a2a splits the attention heads over cp x tp = 4 ranks, but the model has "
                                           "2 kv heads"):
-        check_context_parallel(a2a, MeshSpec.parse("cp=4"), llama)
+        check_context_parallel(a2a, MeshSpec.parse("cp=4"), llama.FAMILY)
     with pytest.raises(ConfigError, match="cp_attention='zigzag': use one of allgather, ring, a2a"):
         override(cfg, ["parallel.cp_attention=zigzag"]).validate()
     odd = override(cfg, ["train.seq_len=20", "parallel.mesh=cp=4"])
     with pytest.raises(ConfigError, match="sequence length 20 does not split into 2 x cp = 8"):
-        check_context_parallel(odd, MeshSpec.parse("cp=4"), gpt)
+        check_context_parallel(odd, MeshSpec.parse("cp=4"), gpt.FAMILY)
     assert MeshSpec.parse("2x1x1x2").size("cp") == 2  # the positional form's fourth size
 
 

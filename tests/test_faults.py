@@ -141,7 +141,8 @@ def test_nonfinite_stop_between_log_steps_names_the_step(monkeypatch, tmp_path, 
 def test_bad_gradient_is_named_and_a_dropped_update_changes_nothing():
     import torch
 
-    from fxmega.training.optim import AdamWHyper, adamw_init, adamw_update, per_tensor_norms
+    from fxmega.optim.adamw import AdamWHyper, adamw_init, adamw_update
+    from fxmega.training.optim import per_tensor_norms
 
     grads = [torch.ones(3), torch.tensor([1.0, float("nan")]), torch.full((2,), float("inf"))]
     assert (~torch.isfinite(per_tensor_norms(grads))).tolist() == [False, True, True]

@@ -21,7 +21,8 @@ from fxmega.data.classification import load_classification
 from fxmega.data.mlm import specials_for
 from fxmega.data.tokenizer import build_tokenizer
 from fxmega.models import gpt, llama
-from fxmega.models.classifier import Classifier
+from fxmega.models.classifier import classifier
+from fxmega.models.family import ModelFamily
 from fxmega.models.pieces import run_pieces
 from fxmega.ops import init
 from fxmega.ops.objectives import classification_eval
@@ -131,25 +132,26 @@ def test_batches_are_deterministic_epochs_and_split(tmp_path):
 
 # ---- pooling ---------------------------------------------------------------------------------
 
-def _pooled(model: Classifier, params: dict, tokens: torch.Tensor, mask: torch.Tensor, mcfg) -> torch.Tensor:
+def _pooled(family: ModelFamily, model: ModelFamily, params: dict, tokens: torch.Tensor, mask: torch.Tensor,
+            mcfg) -> torch.Tensor:
     x = run_pieces(model, params, params, tokens, mcfg, plain_call, head=False, valid=mask)
-    return model.family.pool(params, x, mask, mcfg)
+    return family.pool(params, x, mask, mcfg)
 
 
 @pytest.mark.parametrize("module, name", [(gpt, "tiny_gpt"), (llama, "tiny_llama")])
 def test_last_token_pooling_ignores_padding(module, name):
     mcfg = load(ROOT / "configs" / f"{name}.py").model
-    model = Classifier(module, mcfg, 2)
+    model = classifier(module.FAMILY, mcfg, 2)
     params = init.init_params(model.param_specs(mcfg), 0)
     tokens = torch.tensor([[5, 6, 7, 0, 0], [1, 2, 3, 4, 9]])
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    out = _pooled(model, params, tokens, mask, mcfg)
+    out = _pooled(module.FAMILY, model, params, tokens, mask, mcfg)
     changed = tokens.clone()
     changed[0, 3:] = torch.tensor([40, 41])  # other padding tokens
-    again = _pooled(model, params, changed, mask, mcfg)
+    again = _pooled(module.FAMILY, model, params, changed, mask, mcfg)
     torch.testing.assert_close(out, again)
     # the padded row pools position 2: the same vector as the unpadded 3-token text
-    alone = _pooled(model, params, tokens[:1, :3], mask[:1, :3], mcfg)
+    alone = _pooled(module.FAMILY, model, params, tokens[:1, :3], mask[:1, :3], mcfg)
     # the 5-position batch attends over 5 slots (2 masked), the alone one over 3: other orders
     assert_within_rounding(out[:1], alone, forward_lengths(mcfg, 5), what="pooled")
     assert not torch.allclose(out[0], out[1])
@@ -163,7 +165,7 @@ def test_last_token_pooling_ignores_padding(module, name):
 
 def test_classifier_specs_axes():
     mcfg = load(ROOT / "configs" / "tiny_llama.py").model
-    specs = Classifier(llama, mcfg, 3).param_specs(mcfg)
+    specs = classifier(llama.FAMILY, mcfg, 3).param_specs(mcfg)
     head = specs["classifier"]
     assert head["w"].shape == (64, 3) and head["w"].axes == ("embed", "classes") and head["b"].axes == ("classes",)
     assert "head" not in specs  # the LM head is outside the loss

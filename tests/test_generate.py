@@ -37,7 +37,7 @@ def lm(request):
 
 def prefill(module, params, cfg, tokens, max_len, pad=None, cache=None):
     """The decoder's forward over ``tokens`` from slot 0 of a fresh (or the given) cache."""
-    dec = LocalDecoder(module, params, cfg)
+    dec = LocalDecoder(module.FAMILY, params, cfg)
     pad = torch.zeros(tokens.shape[0], dtype=torch.long) if pad is None else pad
     return dec.forward(tokens, dec.init_cache(tokens.shape[0], max_len) if cache is None else cache, 0, pad, max_len)
 
@@ -53,7 +53,7 @@ def greedy_without_cache(module, params, cfg, prompt, n):
 def test_cached_greedy_equals_recomputing_the_sequence(lm):
     module, params, cfg = lm
     for prompt in PROMPTS:
-        assert generate_cached(module, params, cfg, [prompt], 12) == [greedy_without_cache(module, params, cfg,
+        assert generate_cached(module.FAMILY, params, cfg, [prompt], 12) == [greedy_without_cache(module, params, cfg,
                                                                                             prompt, 12)]
 
 
@@ -62,7 +62,7 @@ def test_cached_logits_equal_the_uncached_forward_at_every_step(lm):
     cfg = dataclasses.replace(cfg, init_std=0.02)  # training's init: logits of order 1
     params = init_params(module.param_specs(cfg), seed=0)
     tokens = torch.tensor([PROMPTS[0]])
-    dec, total, pad = LocalDecoder(module, params, cfg), tokens.shape[1] + 8, torch.zeros(1, dtype=torch.long)
+    dec, total, pad = LocalDecoder(module.FAMILY, params, cfg), tokens.shape[1] + 8, torch.zeros(1, dtype=torch.long)
     logits, cache = dec.forward(tokens, dec.init_cache(1, total), 0, pad, total)
     # the cache's attention sums over its own length in another order than the forward's
     n = forward_lengths(cfg, tokens.shape[1] + 8)
@@ -78,8 +78,8 @@ def test_cached_logits_equal_the_uncached_forward_at_every_step(lm):
 
 def test_batched_prompts_of_different_lengths_equal_each_alone(lm):
     module, params, cfg = lm
-    batched = generate_cached(module, params, cfg, PROMPTS, 10)
-    assert batched == [generate_cached(module, params, cfg, [p], 10)[0] for p in PROMPTS]
+    batched = generate_cached(module.FAMILY, params, cfg, PROMPTS, 10)
+    assert batched == [generate_cached(module.FAMILY, params, cfg, [p], 10)[0] for p in PROMPTS]
     assert len({tuple(row) for row in batched}) == len(PROMPTS)  # not trivially equal
 
     # and the left-padded prefill's last logits per row equal each prompt's own forward
@@ -95,7 +95,7 @@ def test_batched_prompts_of_different_lengths_equal_each_alone(lm):
 def test_unwritten_cache_slots_are_never_read_and_the_cache_is_not_modified(lm):
     module, params, cfg = lm
     tokens = torch.tensor([PROMPTS[2]])
-    clean = LocalDecoder(module, params, cfg).init_cache(1, 16)
+    clean = LocalDecoder(module.FAMILY, params, cfg).init_cache(1, 16)
     junk = {i: (torch.randn_like(k) * 100, torch.randn_like(v) * 100) for i, (k, v) in clean.items()}
     before = [(k.clone(), v.clone()) for k, v in junk.values()]
     from_clean, _ = prefill(module, params, cfg, tokens, 16, cache=clean)
@@ -108,14 +108,14 @@ def test_unwritten_cache_slots_are_never_read_and_the_cache_is_not_modified(lm):
 
 def test_top_k_one_and_a_tiny_top_p_are_greedy(lm):
     module, params, cfg = lm
-    greedy = generate_cached(module, params, cfg, PROMPTS, 8)
-    assert generate_cached(module, params, cfg, PROMPTS, 8, temperature=1.0, top_k=1, seed=3) == greedy
-    assert generate_cached(module, params, cfg, PROMPTS, 8, temperature=1.0, top_p=1e-6, seed=3) == greedy
+    greedy = generate_cached(module.FAMILY, params, cfg, PROMPTS, 8)
+    assert generate_cached(module.FAMILY, params, cfg, PROMPTS, 8, temperature=1.0, top_k=1, seed=3) == greedy
+    assert generate_cached(module.FAMILY, params, cfg, PROMPTS, 8, temperature=1.0, top_p=1e-6, seed=3) == greedy
 
 
 def test_sampling_is_reproducible_with_a_seed_and_differs_across_seeds(lm):
     module, params, cfg = lm
-    run = lambda seed: generate_cached(module, params, cfg, PROMPTS, 12, temperature=1.0, top_p=0.95, seed=seed)
+    run = lambda seed: generate_cached(module.FAMILY, params, cfg, PROMPTS, 12, temperature=1.0, top_p=0.95, seed=seed)
     assert run(1) == run(1)
     assert run(1) != run(2)
 
@@ -125,17 +125,17 @@ def test_a_row_samples_the_same_whichever_rows_share_its_batch(lm):
     apart as a data-parallel rank decodes it, samples what the whole request samples."""
     module, params, cfg = lm
     kwargs = dict(temperature=1.0, top_p=0.95, seed=5)
-    whole = generate_cached(module, params, cfg, PROMPTS, 12, **kwargs)
-    dec = LocalDecoder(module, params, cfg)
+    whole = generate_cached(module.FAMILY, params, cfg, PROMPTS, 12, **kwargs)
+    dec = LocalDecoder(module.FAMILY, params, cfg)
     assert decode(dec, cfg, [PROMPTS[2], PROMPTS[0]], 12, rows=[2, 0], **kwargs) == [whole[2], whole[0]]
     assert decode(dec, cfg, [PROMPTS[1]], 12, rows=[1], **kwargs) == [whole[1]]
 
 
 def test_stop_tokens_end_each_sequence_and_stopped_rows_are_not_extended(lm):
     module, params, cfg = lm
-    free = generate_cached(module, params, cfg, PROMPTS, 10)
+    free = generate_cached(module.FAMILY, params, cfg, PROMPTS, 10)
     stop = free[0][3]
-    stopped = generate_cached(module, params, cfg, PROMPTS, 10, stop_tokens=[stop])
+    stopped = generate_cached(module.FAMILY, params, cfg, PROMPTS, 10, stop_tokens=[stop])
     for row, out in zip(free, stopped):
         expected = row[:row.index(stop)] if stop in row else row
         assert out == expected  # the stop token itself is not returned
@@ -151,8 +151,8 @@ def test_generation_ends_once_every_row_has_stopped(lm):
             calls.append(tokens.shape[1])
             return super().forward(tokens, *args, **kwargs)
 
-    first = generate_cached(module, params, cfg, [PROMPTS[0]], 1)[0][0]
-    assert decode(Counting(module, params, cfg), cfg, [PROMPTS[0]], 20, stop_tokens=[first]) == [[]]
+    first = generate_cached(module.FAMILY, params, cfg, [PROMPTS[0]], 1)[0][0]
+    assert decode(Counting(module.FAMILY, params, cfg), cfg, [PROMPTS[0]], 20, stop_tokens=[first]) == [[]]
     assert calls == [len(PROMPTS[0])]  # the prefill only: no decode step after the stop
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxmega.config import ParallelConfig, load, override
 from fxmega.compiler.kernel_dump import NO_KERNELS, dump_kernels, parse_output_code
+from fxmega.config import ParallelConfig, load, override
 from fxmega.training.run import Run
 from tests.conftest import ROOT
 from tests.multirank import run_ranks

@@ -12,20 +12,22 @@ from tests.conftest import ROOT
 
 # lowest first: a module may import from its own layer and every layer above it in this list
 LAYERS = {
-    "core": "core core.errors core.spec core.tree core.json_files core.device core.memory core.precision core.log",
+    "core": "core core.errors core.spec core.tree core.json_files core.device core.memory core.precision core.log "
+            "core.compute",
     "sharding annotations": "sharding sharding.layout sharding.mesh sharding.rules sharding.pipeline sharding.plan",
     "compiler": "compiler compiler.inspect compiler.generated_code compiler.kernel_dump compiler.overlap",
     "building blocks": "ops ops.kernels ops.kernels.triton_ops ops.kernels.triton_norms "
                        "ops.kernels.triton_cross_entropy ops.rope ops.attention_blocks ops.layers ops.losses "
                        "ops.objectives ops.recompute ops.counter_random ops.init ops.routing ops.experts ops.aux_loss "
                        "ops.moe ops.tied_embedding_grad ops.phases",
-    "models": "models models.bert models.gpt models.llama models.mixtral models.t5 models.pieces models.registry "
-              "models.census models.checks models.classifier",
+    "models": "models models.family models.bert models.gpt models.llama models.mixtral models.t5 models.pieces "
+              "models.registry models.census models.checks models.classifier",
     "data": "data data.batches data.blend data.classification data.corpus data.gpt_dataset data.indexed data.mlm "
             "data.span_corruption data.parallel_text data.po_catalogues data.instructions data.code_corpus "
             "data.doc_questions "
             "data.preprocess data.sources data.tokenizer data.vocab_files data.prefetch",
     "config": "config",
+    "optimizers": "optim optim.optimizer optim.adamw",
     "distributed runtime": "parallel parallel.strategy parallel.collectives parallel.groups parallel.ring_attention "
                            "parallel.context parallel.activation_layouts parallel.param_shards parallel.flat_optimizer "
                            "parallel.grad_sync parallel.zero3 parallel.runtime parallel.distributed",

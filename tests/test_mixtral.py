@@ -15,10 +15,10 @@ from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.models import mixtral
 from fxmega.ops import experts, moe, routing
+from fxmega.parallel.activation_layouts import ActivationLayouts
 from fxmega.planning.report import plan_report
 from fxmega.planning.summary import summary
-from fxmega.parallel.activation_layouts import ActivationLayouts
-from fxmega.sharding.mesh import MeshSpec, check_model_mesh
+from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.plan import format_bytes
 from fxmega.training.run import Run
 from tests.multirank import run_ranks
@@ -127,8 +127,8 @@ def test_refusals():
         _moe_config("model.moe.n_experts=0").validate()
     with pytest.raises(ConfigError, match="first_dense_layers=2 leaves none of the 2 layers"):
         _moe_config("model.moe.first_dense_layers=2").validate()
-    with pytest.raises(ConfigError, match="--mesh cp=2: the mixtral family does not split over cp yet"):
-        check_model_mesh(_moe_config("parallel.mesh=cp=2"), MeshSpec.parse("cp=2"), mixtral)
+    with pytest.raises(ConfigError, match=r"--mesh cp=2 \(2 ranks\): the mixtral family does not split over cp yet"):
+        mixtral.FAMILY.check_mesh(_moe_config("parallel.mesh=cp=2").model, MeshSpec.parse("cp=2"))
 
 
 # ---- meshes equal one device -----------------------------------------------------------------

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fxmega.compiler.generated_code import gathers_ahead, kernels_before_waits
+from fxmega.compiler.overlap import inductor_options
 from fxmega.config import override
 from fxmega.core.errors import ConfigError
 from fxmega.models import model_for
-from fxmega.compiler.generated_code import gathers_ahead, kernels_before_waits
-from fxmega.compiler.overlap import inductor_options
 from fxmega.training.checks import check_compute
 from fxmega.training.run import Run
 from tests.multirank import run_ranks

@@ -7,10 +7,10 @@ import torch
 import torch.distributed as dist
 
 from fxmega.cli import main
+from fxmega.compiler.inspect import Collective, collectives_in
 from fxmega.planning.devices import parse_profile
 from fxmega.planning.exposure import link_seconds, replay
 from fxmega.planning.fake import fake_world
-from fxmega.compiler.inspect import Collective, collectives_in
 from fxmega.sharding.mesh import MeshSpec
 from tests.conftest import ROOT
 

@@ -14,8 +14,8 @@ from fxmega.cli import main
 from fxmega.config import ParallelConfig
 from fxmega.core.errors import ConfigError
 from fxmega.models import gpt
-from fxmega.sharding.pipeline import balanced_counts, check_microbatches, make_pipeline, parse_layout
 from fxmega.parallel.strategy import plan_from
+from fxmega.sharding.pipeline import balanced_counts, check_microbatches, make_pipeline, parse_layout
 from fxmega.training.run import Run
 from tests.conftest import ROOT
 from tests.multirank import run_ranks

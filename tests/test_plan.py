@@ -7,10 +7,10 @@ from fxmega.config import ParallelConfig
 from fxmega.core.errors import ConfigError
 from fxmega.models import gpt, llama, mixtral
 from fxmega.ops.moe import MoE
+from fxmega.parallel.strategy import strategy_from
 from fxmega.sharding.mesh import MeshSpec, check_world_size, parse_mesh
 from fxmega.sharding.plan import make_plan
 from fxmega.sharding.rules import MEGATRON, Strategy, preset
-from fxmega.parallel.strategy import strategy_from
 
 
 def tiny(**kw):

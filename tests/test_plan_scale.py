@@ -7,12 +7,11 @@ from fxmega.cli import main
 from fxmega.config import load, override
 from fxmega.models import model_for
 from fxmega.ops.init import count_params
-from fxmega.planning import auto, devices
+from fxmega.parallel.strategy import plan_from
+from fxmega.planning import auto, devices, estimate
 from fxmega.planning.fake import fake_parallel, fake_world, trace_rank_step
 from fxmega.planning.report import estimate_plan, parse_bytes, plan_report
-from fxmega.planning import estimate
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.parallel.strategy import plan_from
 from fxmega.training.metrics import model_flops_per_token
 from tests.multirank import ROOT
 

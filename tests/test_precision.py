@@ -13,7 +13,9 @@ from fxmega.config import load, override
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.core.precision import LossScaler
+from fxmega.models import gpt, llama
 from fxmega.ops import layers, losses
+from fxmega.ops.init import init_params
 from fxmega.training.run import Run
 from tests.multirank import ROOT, run_ranks
 from tests.tolerance import assert_within_rounding, forward_lengths
@@ -174,15 +176,11 @@ def test_bf16_data_parallel_and_zero3_match_one_device():
         assert max(abs(a - b) for a, b in zip(result, ref)) < tol, (name, result, ref)
 
 
-@pytest.mark.parametrize("model", ["tiny_gpt", "tiny_llama"])
-def test_padded_batch_attention_equals_each_sequence_alone(model):
+@pytest.mark.parametrize("model, module", [("tiny_gpt", gpt), ("tiny_llama", llama)])
+def test_padded_batch_attention_equals_each_sequence_alone(model, module):
     """Right-padded sequences through SDPA with a padding mask: the logits of every real
     token equal those of the sequence run alone, unpadded (the padding never leaks in)."""
-    from fxmega.models import model_for
-    from fxmega.ops.init import init_params
-
     cfg = load(ROOT / "configs" / f"{model}.py").model
-    module = model_for(cfg)
     params = init_params(module.param_specs(cfg), seed=0)
     torch.manual_seed(0)
     lengths = [12, 7, 3]

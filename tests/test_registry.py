@@ -16,6 +16,7 @@ from fxmega.config import DataConfig, OptimConfig, ParallelConfig, RunConfig, Tr
 from fxmega.core.errors import ConfigError
 from fxmega.core.spec import ONES, ZEROS, ParamSpec, normal
 from fxmega.models import family_name, model_for, registry
+from fxmega.models.family import ModelFamily
 from fxmega.ops import layers, objectives
 from fxmega.parallel import distributed
 from fxmega.sharding.layout import shard
@@ -92,8 +93,9 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config, attention_mask: tor
     return head(params, x, cfg)
 
 
-MIXER = sys.modules[__name__]  # this module is the family
-registry.register("causal-mixer", MIXER)  # the ranks import this module, and so register it too
+MIXER = ModelFamily(name="causal-mixer", Config=Config, param_specs=param_specs, embed=embed, block=block, head=head,
+                    objective=objective, EMBED_PARAMS=EMBED_PARAMS, HEAD_PARAMS=HEAD_PARAMS)
+registry.register(MIXER)  # the ranks import this module, and so register it too
 
 
 def mixer_config(parallel: dict | None = None) -> RunConfig:
@@ -116,14 +118,18 @@ def test_a_family_registered_from_a_test_file_trains():
 
 
 def test_registering_badly_is_a_clear_error():
-    with pytest.raises(ConfigError, match="lacks head, .*objective"):
-        registry.register("broken", type("Broken", (), {"Config": int, "param_specs": None, "embed": None,
-                                                        "block": None, "EMBED_PARAMS": (), "HEAD_PARAMS": (),
-                                                        "EMBED_INPUTS": ()}))
+    with pytest.raises(ConfigError, match="register a ModelFamily .*, not module: end the family's module with "
+                                          "FAMILY = ModelFamily"):
+        registry.register(sys.modules[__name__])  # a module with the pieces is not yet a family
+    with pytest.raises(TypeError, match="missing 3 required .*'objective', 'EMBED_PARAMS', and 'HEAD_PARAMS'"):
+        ModelFamily(name="broken", Config=int, param_specs=param_specs, embed=embed, block=block, head=head)
+    other_config = type("OtherConfig", (Config,), {})
     with pytest.raises(ConfigError, match="'causal-mixer' is already registered"):
-        registry.register("causal-mixer", type("Other", (), {a: getattr(MIXER, a) for a in registry.REQUIRED}))
+        registry.register(dataclasses.replace(MIXER, Config=other_config))
     with pytest.raises(ConfigError, match="Config is already the Config of model family 'causal-mixer'"):
-        registry.register("mixer-again", MIXER)
+        registry.register(dataclasses.replace(MIXER, name="mixer-again"))
+    with pytest.raises(ConfigError, match="model family name 'no spaces'"):
+        registry.register(dataclasses.replace(MIXER, name="no spaces"))
     with pytest.raises(ConfigError, match="not the Config of a registered model family"):
         model_for(object())
     with pytest.raises(ConfigError, match="model family 'nope' is not registered; known: bert, causal-mixer"):

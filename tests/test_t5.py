@@ -134,18 +134,9 @@ def test_bad_configs_and_meshes_are_refused():
         t5.Config(vocab_size=50, pad_id=60).validate()
     with pytest.raises(ConfigError, match="feed_forward_proj"):
         hf_t5.config_from_hf({"model_type": "t5", "feed_forward_proj": "gated-silu"})
-
-    @dataclasses.dataclass
-    class Parallel:
-        mesh: str
-
-    @dataclasses.dataclass
-    class Run:
-        parallel: Parallel
-
     for mesh in ("pp=2", "cp=2"):
         with pytest.raises(ConfigError, match=f"does not split over {mesh[:2]}"):
-            t5.check_mesh(Run(Parallel(mesh)), MeshSpec.parse(mesh))
+            t5.check_mesh(t5.Config(), MeshSpec.parse(mesh))
 
 
 def test_greedy_generation_equals_the_full_forward_per_source():

@@ -16,6 +16,7 @@ from fxmega.inference.generation_cli import load_generator
 from fxmega.inference.model_loader import recorded, recorded_config
 from fxmega.inference.seq2seq import generate_seq2seq
 from fxmega.models import t5
+from fxmega.sharding.mesh import MeshSpec
 from fxmega.training.run import Run
 from tests.multirank import ROOT, run_ranks
 from tests.parity import assert_matches_one_device, record
@@ -106,7 +107,7 @@ def test_t5_refuses_pipeline_and_context_parallelism():
     for mesh in ("pp=2", "cp=2"):
         cfg = t5_config(dict(mesh=mesh))
         with pytest.raises(ConfigError, match=f"does not split over {mesh[:2]}"):
-            t5.check_mesh(cfg, __import__("fxmega.sharding.mesh", fromlist=["MeshSpec"]).MeshSpec.parse(mesh))
+            t5.check_mesh(cfg.model, MeshSpec.parse(mesh))
 
 
 def test_train_then_generate_commands(tmp_path, capsys):

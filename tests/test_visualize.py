@@ -10,11 +10,11 @@ import pytest
 from fxmega.config import ParallelConfig
 from fxmega.core.errors import ConfigError
 from fxmega.models import gpt
+from fxmega.parallel.strategy import plan_from
+from fxmega.planning.visualize import grid, plan_html, shard_blocks, show, show_param, write_plan_html
 from fxmega.sharding.mesh import parse_mesh
 from fxmega.sharding.plan import make_plan
 from fxmega.sharding.rules import FSDP, Strategy, preset
-from fxmega.parallel.strategy import plan_from
-from fxmega.planning.visualize import grid, plan_html, shard_blocks, show, show_param, write_plan_html
 
 
 def specs(**kw):

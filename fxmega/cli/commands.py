@@ -33,14 +33,13 @@ from fxmega.inference.serve import serve
 from fxmega.inference.serve_mesh import Leader, follow
 from fxmega.models import family_name, model_for
 from fxmega.ops.init import count_params
-from fxmega.planning import auto, devices
+from fxmega.parallel import distributed
+from fxmega.parallel.runtime import Parallel
+from fxmega.parallel.strategy import run_plan
+from fxmega.planning import auto, devices, visualize
 from fxmega.planning.report import parse_bytes, plan_report
 from fxmega.planning.summary import summary
-from fxmega.parallel import distributed
-from fxmega.planning import visualize
 from fxmega.sharding.mesh import MeshSpec
-from fxmega.parallel.runtime import Parallel
-from fxmega.parallel.strategy import plan_from
 from fxmega.storage import checkpoint, convert
 from fxmega.storage.orbax_io import from_orbax, to_orbax
 from fxmega.training.evaluate import evaluate_checkpoint, report
@@ -195,7 +194,7 @@ def _plan(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = _config(args)
     budget = parse_bytes(args.memory_per_device) if args.memory_per_device else None
     model = model_for(cfg.model)
-    plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
+    plan = run_plan(cfg, model)
     if args.explain:
         cfg.validate(plan.mesh.data_size)
         print(plan.explain(), flush=True)

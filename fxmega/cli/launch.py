@@ -30,11 +30,11 @@ from fxmega.config import RunConfig
 from fxmega.core.device import pick_device
 from fxmega.core.errors import FxmegaError, LauncherLostError
 from fxmega.core.log import get_logger
-from fxmega.models.registry import ModelFamily
+from fxmega.models.family import ModelFamily
+from fxmega.parallel.distributed import rank_parallel
 from fxmega.planning.capacity import Machine, check_capacity
 from fxmega.planning.fake import fake_world
 from fxmega.planning.report import estimate_plan
-from fxmega.parallel.distributed import rank_parallel
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh
 from fxmega.training.checks import preflight
 from fxmega.training.interrupt import SIGNALS

@@ -79,7 +79,8 @@ GROUPS: dict[str, list[Flag]] = {
         Flag("--deterministic", "deterministic kernels: the same seed and mesh give bitwise the same run",
              switch="train.deterministic=true"),
     ],
-    "learning rate": _keys("--lr optim.lr --min-lr optim.min_lr --lr-decay-style optim.schedule "
+    "learning rate": _keys("--optimizer optim.optimizer --lr optim.lr --min-lr optim.min_lr "
+                           "--lr-decay-style optim.schedule "
                            "--lr-warmup-iters optim.warmup_steps --lr-decay-iters optim.decay_steps "
                            "--weight-decay optim.weight_decay --clip-grad optim.clip_grad --adam-beta1 optim.beta1 "
                            "--adam-beta2 optim.beta2 --adam-eps optim.eps"),

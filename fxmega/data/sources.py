@@ -26,6 +26,7 @@ from fxmega.data.mlm import MaskedLM, specials_for
 from fxmega.data.parallel_text import PairBatches, encode_pairs, hash_fraction, read_pairs
 from fxmega.data.span_corruption import SpanCorruption, SpanSpecials, raw_length
 from fxmega.data.tokenizer import build_tokenizer
+from fxmega.models import model_for
 
 
 @dataclass
@@ -62,7 +63,7 @@ def build_data(cfg, objective: str = "causal-lm") -> Data:
 
 def _pairs(cfg) -> Data:
     d, t, m = cfg.data, cfg.train, cfg.model
-    if not hasattr(m, "encoder_seq_len"):
+    if not model_for(m).is_encoder_decoder:
         raise ConfigError(f"data.task=seq2seq trains an encoder-decoder (t5) on source -> target pairs; the model is "
                           f"a {type(m).__module__.rsplit('.', 1)[-1]}")
     if d.source in ("mock", "shakespeare"):

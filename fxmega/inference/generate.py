@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 import torch
 
+from fxmega.models.family import ModelConfig, ModelFamily
 from fxmega.models.pieces import blocks_of, decode_pieces, init_cache
 from fxmega.ops import layers
 
@@ -52,7 +53,7 @@ class Decoder(Protocol):
 class LocalDecoder:
     """The forward by pieces over parameters held whole on this device."""
 
-    def __init__(self, model: Any, params: dict, cfg: Any) -> None:
+    def __init__(self, model: ModelFamily, params: dict, cfg: ModelConfig) -> None:
         self.model, self.params, self.cfg = model, params, cfg
         weight = params["embed"]["tokens"]
         self.dtype, self.device = weight.dtype, weight.device
@@ -127,7 +128,7 @@ def cut_at_stops(steps: Sequence[torch.Tensor], stops: set[int]) -> list[list[in
     return out
 
 
-def check_request(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+def check_request(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0) -> None:
     """Raise ``ValueError``, naming the numbers and the fix, for a request the cached generator
     cannot serve: an empty or out-of-vocabulary prompt, bad sampling settings, or a prompt
@@ -149,7 +150,7 @@ def check_request(cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: in
 
 
 @torch.no_grad()
-def decode(decoder: Decoder, cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+def decode(decoder: Decoder, cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop_tokens: Sequence[int] = (),
            seed: int = 0, rows: Sequence[int] | None = None) -> list[list[int]]:
     """The new tokens for each prompt, generated with ``decoder``'s KV cache.
@@ -193,16 +194,16 @@ def decode(decoder: Decoder, cfg: Any, prompts: Sequence[Sequence[int]], max_new
     return cut_at_stops(steps, {int(t) for t in stop_tokens})
 
 
-def generate_cached(model: Any, params: dict, cfg: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop_tokens: Sequence[int] = (),
-                    seed: int = 0) -> list[list[int]]:
-    """``decode`` on one device, over ``model``'s (a family such as ``fxmega.models.gpt``) whole
+def generate_cached(model: ModelFamily, params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
+                    max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                    stop_tokens: Sequence[int] = (), seed: int = 0) -> list[list[int]]:
+    """``decode`` on one device, over ``model``'s (a family such as ``fxmega.models.gpt.FAMILY``) whole
     parameters."""
     return decode(LocalDecoder(model, params, cfg), cfg, prompts, max_new_tokens, temperature, top_k, top_p,
                   stop_tokens, seed)
 
 
-def sample_text(generate_fn: GenerateFn, cfg: Any, tokenizer: Any, prompt: str, max_new_tokens: int,
+def sample_text(generate_fn: GenerateFn, cfg: ModelConfig, tokenizer: Any, prompt: str, max_new_tokens: int,
                 temperature: float = 0.8, top_k: int = 40, top_p: float = 1.0, seed: int = 0,
                 stop_tokens: Sequence[int] = ()) -> str:
     """``prompt`` followed by up to ``max_new_tokens`` tokens from ``generate_fn`` (``decode``

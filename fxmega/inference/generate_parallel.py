@@ -37,12 +37,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxmega.core import tree
 from fxmega.inference.generate import Cache, LocalDecoder, decode
+from fxmega.models.family import ModelConfig, ModelFamily
 from fxmega.models.pieces import blocks_of, decode_pieces
-from fxmega.models.registry import ModelConfig, ModelFamily
-from fxmega.sharding import layout
 from fxmega.parallel.activation_layouts import ActivationLayouts
-from fxmega.sharding.pipeline import Stage
 from fxmega.parallel.runtime import Parallel
+from fxmega.sharding import layout
+from fxmega.sharding.pipeline import Stage
 
 # the heads dim of a cache tensor [batch, max_len, kv_heads, head_dim]
 CACHE_HEADS_DIM = 2
@@ -52,6 +52,8 @@ class DecodeLayout:
     """The run's activation layouts for decoding: those of training over tp only, the sequence
     never split (sequence parallelism has nothing to split in a one-token step; context
     parallel ranks each decode the whole batch, the same on every one)."""
+
+    context = None  # no cp: each rank decodes the whole sequence
 
     def __init__(self, parallel: Parallel) -> None:
         self.layouts = ActivationLayouts(parallel.plan, parallel.groups.tp_mesh)  # no cp: each decodes it all

@@ -17,8 +17,8 @@ from fxmega.inference.model_loader import LoadedModel, load_model, recorded, rec
 from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq, is_encoder_decoder
 from fxmega.inference.serve import cut_at_stop, stop_token_ids
 from fxmega.models import family_name, model_for
-from fxmega.sharding.mesh import MeshSpec
 from fxmega.parallel.runtime import Parallel
+from fxmega.sharding.mesh import MeshSpec
 
 
 def check_generator(cfg: RunConfig) -> None:
@@ -28,7 +28,7 @@ def check_generator(cfg: RunConfig) -> None:
         if MeshSpec.parse(cfg.parallel.mesh).world_size > 1:
             raise ConfigError(f"generate/serve run the {family_name(cfg.model)} encoder-decoder on one device; drop "
                               f"--mesh {cfg.parallel.mesh}")
-    elif not hasattr(model, "kv_cache_shape"):
+    elif not model.can_decode:
         raise ConfigError(f"generate/serve need a decoder with a KV cache (gpt, llama, mixtral) or an "
                           f"encoder-decoder (t5); the {family_name(cfg.model)} family is neither (BERT is an encoder)")
 

@@ -24,7 +24,7 @@ from fxmega.core.errors import ConfigError
 from fxmega.core.log import get_logger
 from fxmega.data.tokenizer import Tokenizer, build_tokenizer, stored_spec
 from fxmega.models import model_for
-from fxmega.models.registry import ModelFamily
+from fxmega.models.family import ModelFamily
 from fxmega.ops.init import init_params
 from fxmega.parallel.runtime import Parallel
 from fxmega.storage import checkpoint, run_state

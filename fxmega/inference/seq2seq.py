@@ -17,19 +17,21 @@ from typing import Any, Protocol
 import torch
 
 from fxmega.inference.generate import check_sampling, cut_at_stops, row_generators, sample_rows
+from fxmega.models.family import ModelConfig
 
 
 class EncoderDecoder(Protocol):
     """What a family needs to generate this way (``fxmega.models.t5``)."""
 
-    def encode(self, params: dict, tokens: torch.Tensor, cfg: Any, valid: torch.Tensor | None = None) -> Any: ...
+    def encode(self, params: dict, tokens: torch.Tensor, cfg: ModelConfig,
+               valid: torch.Tensor | None = None) -> Any: ...
 
-    def decode(self, params: dict, tokens: torch.Tensor, memory: Any, cfg: Any,
+    def decode(self, params: dict, tokens: torch.Tensor, memory: Any, cfg: ModelConfig,
                cache: Any = None) -> tuple[torch.Tensor, Any]: ...
 
 
 def is_encoder_decoder(model: object) -> bool:
-    return hasattr(model, "encode") and hasattr(model, "decode")
+    return model.is_encoder_decoder
 
 
 def ended(sources: Sequence[Sequence[int]], eos: int) -> list[list[int]]:
@@ -37,7 +39,7 @@ def ended(sources: Sequence[Sequence[int]], eos: int) -> list[list[int]]:
     return [list(s) if s and s[-1] == eos else [*s, eos] for s in sources]
 
 
-def check_request(cfg: Any, sources: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+def check_request(cfg: ModelConfig, sources: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0) -> None:
     """Raise ``ValueError``, naming the value and the fix, for what cannot be generated."""
     check_sampling(max_new_tokens, temperature, top_k, top_p)
@@ -50,7 +52,7 @@ def check_request(cfg: Any, sources: Sequence[Sequence[int]], max_new_tokens: in
 
 
 @torch.no_grad()
-def generate_seq2seq(model: EncoderDecoder, params: dict, cfg: Any, sources: Sequence[Sequence[int]],
+def generate_seq2seq(model: EncoderDecoder, params: dict, cfg: ModelConfig, sources: Sequence[Sequence[int]],
                      max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                      stop_tokens: Sequence[int] = (), seed: int = 0) -> list[list[int]]:
     """The target tokens for each source (see the module docstring)."""
@@ -85,10 +87,10 @@ class WithModelSpecials:
     ``<extra_id_k>`` for sentinel k, ``<pad>``, ``</s>`` (so a prompt can hold the sentinel
     spans to fill); everything else is the tokenizer's."""
 
-    def __init__(self, tokenizer: Any, cfg: Any) -> None:
+    def __init__(self, tokenizer: Any, cfg: ModelConfig) -> None:
         self.tokenizer = tokenizer
         names = {cfg.pad_id: "<pad>", cfg.eos_id: "</s>"}
-        names |= {cfg.sentinel(k): f"<extra_id_{k}>" for k in range(getattr(cfg, "n_sentinels", 0))}
+        names |= {cfg.sentinel(k): f"<extra_id_{k}>" for k in range(cfg.n_sentinels)}
         self.names = {i: n for i, n in names.items() if i >= tokenizer.vocab_size}  # the tokenizer's own stay its
         self.ids = {n: i for i, n in self.names.items()}
         self._split = re.compile("(" + "|".join(re.escape(n) for n in self.ids) + ")") if self.ids else None

@@ -14,11 +14,12 @@ from typing import Any
 from fxmega.inference.chat import Answerer, chat_answerer
 from fxmega.inference.model_loader import LoadedModel
 from fxmega.inference.seq2seq import ended, generate_seq2seq, is_encoder_decoder
+from fxmega.models.family import ModelConfig
 
 Translator = Answerer  # sources in, translations out
 
 
-def seq2seq_translator(model: Any, params: dict, cfg: Any, tokenizer: Any, max_new_tokens: int,
+def seq2seq_translator(model: Any, params: dict, cfg: ModelConfig, tokenizer: Any, max_new_tokens: int,
                        batch_size: int = 32) -> Translator:
     """Greedy translations by an encoder–decoder, ``batch_size`` sources at a time (each cut to
     the model's ``encoder_seq_len`` tokens and ended with EOS, as in training)."""

@@ -6,18 +6,18 @@ them: the loss over a batch, run piece by piece."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
+from fxmega.core.compute import ComputeConfig
 from fxmega.models import bert, gpt, llama, mixtral, registry, t5
+from fxmega.models.family import ModelFamily
 from fxmega.models.pieces import PieceCall, embed_inputs, head_inputs, run_pieces, top
-from fxmega.models.registry import ModelFamily
 from fxmega.ops import losses, recompute
 from fxmega.ops.objectives import Objective
 
-for _name, _family in (("gpt", gpt), ("llama", llama), ("bert", bert), ("mixtral", mixtral), ("t5", t5)):
-    registry.register(_name, _family)
+for _family in (gpt, llama, bert, mixtral, t5):
+    registry.register(_family.FAMILY)
 
 
 def model_for(cfg: object) -> ModelFamily:
@@ -42,7 +42,7 @@ def head_loss_sum(model: ModelFamily) -> Callable[..., torch.Tensor]:
     return run
 
 
-def loss_by_pieces(cfg: object, compute: Any = None, model: ModelFamily | None = None,
+def loss_by_pieces(cfg: object, compute: ComputeConfig | None = None, model: ModelFamily | None = None,
                    objective: Objective | None = None) -> Callable[[dict, dict, PieceCall, dict], torch.Tensor]:
     """``lm_loss_sum`` for ``cfg`` as a function of ``(params, batch, call, layouts)``: what a
     sharding runtime runs without knowing the model (``Parallel.loss_sum_fn``)."""
@@ -53,7 +53,7 @@ def loss_by_pieces(cfg: object, compute: Any = None, model: ModelFamily | None =
 
 
 def lm_loss_sum(params: dict, batch: dict[str, torch.Tensor], cfg: object, call: PieceCall | None = None,
-                layouts: dict | None = None, compute: Any = None, model: ModelFamily | None = None,
+                layouts: dict | None = None, compute: ComputeConfig | None = None, model: ModelFamily | None = None,
                 objective: Objective | None = None) -> torch.Tensor:
     """An objective summed over ``batch``: the model run piece by piece (``run_pieces``: the
     embedding with the family's ``EMBED_INPUTS`` from the batch, every block with the batch's

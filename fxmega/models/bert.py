@@ -20,6 +20,7 @@ from fxmega.core.errors import ConfigError
 from fxmega.core.spec import ONES, ZEROS, ParamSpec, normal
 from fxmega.models import gpt
 from fxmega.models.checks import require_heads_divide, require_positive
+from fxmega.models.family import ModelFamily, keeps
 from fxmega.ops import layers, objectives
 from fxmega.sharding.layout import local, shard
 
@@ -237,3 +238,11 @@ POOL_PARAMS = ("pooler",)
 def pool(params: dict, x: torch.Tensor, valid: torch.Tensor | None, cfg: Config) -> torch.Tensor:
     """One ``[batch, embed]`` vector per row: the pooler's output, or the [CLS] hidden state."""
     return pooler_output(params, x, cfg) if cfg.pooler else x[:, 0]
+
+
+FAMILY = ModelFamily(
+    name="bert", Config=Config, param_specs=param_specs, embed=embed, block=block, head=head, objective=objective,
+    EMBED_PARAMS=EMBED_PARAMS, HEAD_PARAMS=HEAD_PARAMS, EMBED_INPUTS=EMBED_INPUTS,
+    EMBED_BACKWARD_READS_PARAMS=EMBED_BACKWARD_READS_PARAMS, block_saved=keeps(BLOCK_SAVED),
+    POOL_PARAMS=POOL_PARAMS, pool=pool,
+)

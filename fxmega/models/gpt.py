@@ -17,6 +17,7 @@ from fxmega.core.errors import ConfigError
 from fxmega.core.spec import ONES, ZEROS, ParamSpec, normal
 from fxmega.models.census import Saved
 from fxmega.models.checks import require_heads_divide, require_positive
+from fxmega.models.family import ModelFamily, keeps
 from fxmega.ops import layers, objectives
 from fxmega.sharding.layout import shard
 
@@ -229,3 +230,12 @@ def decode_write(cfg: Config, start: int, new: int, max_len: int, pad: torch.Ten
     """Where ``new`` tokens go in the cache and what they attend to (``layers.cache_write``);
     positions are learned, so no rotary tables."""
     return layers.cache_write(start, new, max_len, pad)
+
+
+FAMILY = ModelFamily(
+    name="gpt", Config=Config, param_specs=param_specs, embed=embed, block=block, head=head, objective=objective,
+    EMBED_PARAMS=EMBED_PARAMS, HEAD_PARAMS=HEAD_PARAMS, EMBED_INPUTS=EMBED_INPUTS, attend_inputs=attend_inputs,
+    CONTEXT_PARALLEL=CONTEXT_PARALLEL, block_saved=keeps(BLOCK_SAVED), final_hidden=final_hidden,
+    output_weight=output_weight, POOL_PARAMS=POOL_PARAMS, pool=pool, kv_cache_shape=kv_cache_shape,
+    decode_write=decode_write,
+)

@@ -19,6 +19,7 @@ from fxmega.core.errors import ConfigError
 from fxmega.core.spec import ONES, ZEROS, Init, ParamSpec, normal
 from fxmega.models.census import Saved
 from fxmega.models.checks import require_positive
+from fxmega.models.family import ModelFamily, keeps
 from fxmega.ops import layers, objectives
 from fxmega.ops.rope import Rope, RopeScaling
 from fxmega.sharding.layout import shard
@@ -77,14 +78,14 @@ class Config:
             )
 
 
-def inits(cfg: Any) -> tuple[Init, Init]:
+def inits(cfg: Config) -> tuple[Init, Init]:
     """The projections' initialisers: ``weight``, and ``residual`` for those that write into
     the residual stream, which start smaller, as in GPT-2 and Megatron's scaled init, so the
     residual does not grow with depth."""
     return normal(cfg.init_std), normal(cfg.init_std / math.sqrt(2 * cfg.n_layers))
 
 
-def block_specs(cfg: Any, feed_forward: dict) -> dict:
+def block_specs(cfg: Config, feed_forward: dict) -> dict:
     """One block's parameters: the norms and attention, and ``feed_forward`` (its sublayer's
     parameter groups: ``{"mlp": ...}`` here, ``{"moe": ...}`` for experts)."""
     d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
@@ -107,7 +108,7 @@ def block_specs(cfg: Any, feed_forward: dict) -> dict:
     }
 
 
-def mlp_specs(cfg: Any, d_ff: int) -> dict:
+def mlp_specs(cfg: Config, d_ff: int) -> dict:
     """The SwiGLU MLP's parameters, width ``d_ff``."""
     d = cfg.d_model
     weight, residual = inits(cfg)
@@ -118,7 +119,7 @@ def mlp_specs(cfg: Any, d_ff: int) -> dict:
     }}
 
 
-def specs_with_blocks(cfg: Any, blocks: list[dict]) -> dict:
+def specs_with_blocks(cfg: Config, blocks: list[dict]) -> dict:
     """The whole model's parameters around ``blocks``: embedding, final norm, untied head."""
     weight, _ = inits(cfg)
     return {
@@ -217,12 +218,12 @@ def mlp(p: dict, x: torch.Tensor) -> torch.Tensor:
 FeedForward = Callable[[dict, torch.Tensor, Any, "torch.Tensor | None"], torch.Tensor]
 
 
-def dense_feed_forward(p: dict, h: torch.Tensor, cfg: Any, valid: torch.Tensor | None = None) -> torch.Tensor:
+def dense_feed_forward(p: dict, h: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None) -> torch.Tensor:
     """The block's feed-forward sublayer: the SwiGLU MLP ``p["mlp"]``."""
     return mlp(p["mlp"], h)
 
 
-def residual_block(p: dict, x: torch.Tensor, cfg: Any, feed_forward: FeedForward, valid: torch.Tensor | None = None,
+def residual_block(p: dict, x: torch.Tensor, cfg: Config, feed_forward: FeedForward, valid: torch.Tensor | None = None,
                    attend: layers.Attend | None = None, cache: layers.KV | None = None,
                    write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
     """One pre-norm block on the residual stream ``x [batch, seq, embed]``: attention, then
@@ -307,3 +308,12 @@ def decode_write(cfg: Config, start: int, new: int, max_len: int, pad: torch.Ten
     """Where ``new`` tokens go in the cache and what they attend to (``layers.cache_write``),
     with the rotary tables at each row's positions, built once for every layer."""
     return layers.cache_write(start, new, max_len, pad, cfg.head_dim, cfg.rope)
+
+
+FAMILY = ModelFamily(
+    name="llama", Config=Config, param_specs=param_specs, embed=embed, block=block, head=head, objective=objective,
+    EMBED_PARAMS=EMBED_PARAMS, HEAD_PARAMS=HEAD_PARAMS, EMBED_INPUTS=EMBED_INPUTS, attend_inputs=attend_inputs,
+    CONTEXT_PARALLEL=CONTEXT_PARALLEL, block_saved=keeps(BLOCK_SAVED), final_hidden=final_hidden,
+    output_weight=output_weight, POOL_PARAMS=POOL_PARAMS, pool=pool, kv_cache_shape=kv_cache_shape,
+    decode_write=decode_write, kv_heads=lambda cfg: cfg.kv_heads,
+)

@@ -12,7 +12,6 @@ gradient through ``fxmega.ops.aux_loss``, under whatever step differentiates the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -20,6 +19,7 @@ from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.models import llama
 from fxmega.models.census import Saved
+from fxmega.models.family import ModelFamily
 from fxmega.models.llama import (  # noqa: F401  (the family's pieces, shared with Llama)
     EMBED_INPUTS,
     EMBED_PARAMS,
@@ -117,10 +117,10 @@ def block_saved(cfg: Config, index: int, seq_len: int, ep: int) -> tuple[Saved, 
     return llama.SAVED_BESIDE_MLP + router + pairs + routed + shared
 
 
-def check_mesh(cfg: Any, mesh: MeshSpec) -> None:
+def check_mesh(cfg: Config, mesh: MeshSpec) -> None:
     """What experts do not run on yet, refused before anything is built."""
     if mesh.size("cp") > 1:
-        raise ConfigError(f"--mesh {cfg.parallel.mesh}: the mixtral family does not split over cp yet (each "
+        raise ConfigError(f"--mesh {mesh.describe()}: the mixtral family does not split over cp yet (each "
                           f"sequence's balancing terms are computed on the whole sequence): use the data axes "
                           f"(dp, fsdp, ZeRO), tp and pp with experts")
 
@@ -176,3 +176,12 @@ def active_params(cfg: Config) -> int:
     moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
     return total - moe_layers * idle * 3 * cfg.d_model * f
 
+
+FAMILY = ModelFamily(
+    name="mixtral", Config=Config, param_specs=param_specs, embed=embed, block=block, head=head, objective=objective,
+    EMBED_PARAMS=EMBED_PARAMS, HEAD_PARAMS=HEAD_PARAMS, EMBED_INPUTS=EMBED_INPUTS, attend_inputs=attend_inputs,
+    CONTEXT_PARALLEL=CONTEXT_PARALLEL, block_saved=block_saved, final_hidden=final_hidden,
+    output_weight=output_weight, POOL_PARAMS=POOL_PARAMS, pool=pool, kv_cache_shape=kv_cache_shape,
+    decode_write=decode_write, active_params=active_params, check_mesh=check_mesh, ROUTER_METER=ROUTER_METER,
+    experts=lambda cfg: cfg.moe if cfg.moe.enabled else None, kv_heads=lambda cfg: cfg.kv_heads,
+)

@@ -14,17 +14,15 @@ checkpointing), ``Parallel._call`` on a mesh (cast, ZeRO-3 gather, checkpointing
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 
-from fxmega.models.registry import ModelFamily
+from fxmega.core.compute import ComputeConfig
+from fxmega.models.family import ModelConfig, ModelFamily
 from fxmega.ops.layers import KV, CacheWrite
 from fxmega.ops.recompute import mode_for_block
 
 PieceCall = Callable[..., torch.Tensor]
-# the logical axes of a head's outputs unless the family says otherwise (``OUTPUT_AXES``)
-LOGITS = ("batch", "ctx", "vocab")
 
 
 def top(groups: tuple[str, ...], params: dict) -> dict:
@@ -41,10 +39,10 @@ def blocks_of(params: dict) -> list[tuple[int, dict]]:
     return list(enumerate(blocks))
 
 
-def run_pieces(model: ModelFamily, params: dict, layouts: dict, x: torch.Tensor, cfg: Any, call: PieceCall, *,
+def run_pieces(model: ModelFamily, params: dict, layouts: dict, x: torch.Tensor, cfg: ModelConfig, call: PieceCall, *,
                embed: bool = True, head: bool = True, inputs: Sequence[torch.Tensor] = (),
-               valid: torch.Tensor | None = None, positions: torch.Tensor | None = None, compute: Any = None,
-               head_inputs: Sequence[torch.Tensor | None] = ()) -> torch.Tensor:
+               valid: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+               compute: ComputeConfig | None = None, head_inputs: Sequence[torch.Tensor | None] = ()) -> torch.Tensor:
     """``x`` through the pieces ``params`` holds, in order: the embedding (if ``embed``:
     ``x`` is then the tokens and ``inputs`` the family's ``EMBED_INPUTS``), every block in
     ``params["blocks"]`` (with ``valid``, the attention mask, and the family's
@@ -58,13 +56,13 @@ def run_pieces(model: ModelFamily, params: dict, layouts: dict, x: torch.Tensor,
     # the blocks' optional inputs, positional (a piece call passes arguments on as they are):
     # what attention reads that no layer changes (rotary tables, masks) is built here, once
     blocks = blocks_of(params)
-    attend = getattr(model, "attend_inputs", None)
+    attend = model.attend_inputs
     if attend is not None and blocks:
         extra: tuple = (valid, attend(cfg, x.shape[1], x.device, valid, positions))
     else:
         extra = () if valid is None else (valid,)
     lays = dict(blocks_of(layouts))
-    shared = getattr(model, "BLOCK_SHARED_PARAMS", ())  # top-level groups every block reads too
+    shared = model.BLOCK_SHARED_PARAMS  # top-level groups every block reads too
     for i, p in blocks:
         p, lay = (p | top(shared, params), lays[i] | top(shared, layouts)) if shared else (p, lays[i])
         x = call(model.block, p, lay, x, cfg, *extra, recompute=mode_for_block(mode, i, first_n))
@@ -87,15 +85,15 @@ def embed_inputs(model: ModelFamily, batch: dict[str, torch.Tensor]) -> list[tor
 def head_inputs(model: ModelFamily, batch: dict[str, torch.Tensor]) -> list[torch.Tensor | None]:
     """What the family's head reads from ``batch`` (``HEAD_INPUTS``), None where it is absent
     (a batch without padding has no attention mask)."""
-    return [batch.get(key) for key in getattr(model, "HEAD_INPUTS", ())]
+    return [batch.get(key) for key in model.HEAD_INPUTS]
 
 
 def output_axes(model: ModelFamily) -> tuple[str | None, ...]:
     """The logical axes of the family's head outputs."""
-    return getattr(model, "OUTPUT_AXES", LOGITS)
+    return model.OUTPUT_AXES
 
 
-def init_cache(model: Any, cfg: Any, blocks: Sequence[int], batch: int, max_len: int,
+def init_cache(model: ModelFamily, cfg: ModelConfig, blocks: Sequence[int], batch: int, max_len: int,
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> dict[int, KV]:
     """An empty KV cache for the blocks ``blocks`` (global indices: a pipeline stage caches
     only its own), each ``(k, v)`` of the family's ``kv_cache_shape``."""
@@ -104,7 +102,8 @@ def init_cache(model: Any, cfg: Any, blocks: Sequence[int], batch: int, max_len:
             for i in blocks}
 
 
-def decode_pieces(model: Any, params: dict, x: torch.Tensor, cfg: Any, cache: dict[int, KV], write: CacheWrite, *,
+def decode_pieces(model: ModelFamily, params: dict, x: torch.Tensor, cfg: ModelConfig, cache: dict[int, KV],
+                  write: CacheWrite, *,
                   embed: bool = True, head: bool = True, last_only: bool = False) -> tuple[torch.Tensor, dict[int, KV]]:
     """The forward by pieces while decoding: the same embedding, blocks and head as
     ``run_pieces``, for new tokens written into the cache at ``write`` (the family's

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from fxmega.core.errors import ConfigError
 from fxmega.core.spec import ONES, ParamSpec, normal
-from fxmega.models import gpt, registry
+from fxmega.models import gpt
 from fxmega.models.checks import require_positive
+from fxmega.models.family import ModelFamily, keeps
 from fxmega.models.pieces import run_pieces
 from fxmega.ops import layers, objectives, recompute
 from fxmega.sharding.layout import local, shard
@@ -173,13 +174,13 @@ def objective(cfg: Config) -> objectives.Objective:
     return objectives.CrossEntropy("span-corruption", cfg.vocab_size)
 
 
-def check_mesh(cfg: Any, mesh: MeshSpec) -> None:
+def check_mesh(cfg: Config, mesh: MeshSpec) -> None:
     """What T5 does not run on, refused before anything is built."""
     for axis, why in (("pp", "every block reads the relative position tables, which pipeline stages would have to "
                              "share (and the encoder's output must reach every decoder stage)"),
                       ("cp", "the source and target sides attend across each other, not as one causal sequence")):
         if mesh.size(axis) > 1:
-            raise ConfigError(f"--mesh {cfg.parallel.mesh}: the t5 family does not split over {axis}: {why}; use "
+            raise ConfigError(f"--mesh {mesh.describe()}: the t5 family does not split over {axis}: {why}; use "
                               f"dp, fsdp, ZeRO and tp (with sequence parallelism)")
 
 
@@ -415,7 +416,7 @@ def forward(params: dict, tokens: torch.Tensor, decoder_inputs: torch.Tensor, cf
     """Logits ``[batch, tgt, vocab]`` for source ``tokens [batch, encoder_seq_len]`` and
     ``decoder_inputs [batch, tgt]``; ``attention_mask [batch, src + tgt]`` (1 for tokens) for
     padded sources. The forward by pieces every training path runs (``run_pieces``)."""
-    return run_pieces(registry.family_of(cfg), params, params, tokens, cfg, recompute.plain_call,
+    return run_pieces(FAMILY, params, params, tokens, cfg, recompute.plain_call,
                       inputs=(decoder_inputs,), valid=attention_mask)
 
 
@@ -484,3 +485,12 @@ def decode(params: dict, tokens: torch.Tensor, memory: Memory, cfg: Config,
                               cache=(empty, empty) if cache is None else cache[i])
         out.append(kv)
     return logits(params, y, cfg), out
+
+
+FAMILY = ModelFamily(
+    name="t5", Config=Config, param_specs=param_specs, embed=embed, block=block, head=head, objective=objective,
+    EMBED_PARAMS=EMBED_PARAMS, HEAD_PARAMS=HEAD_PARAMS, EMBED_INPUTS=EMBED_INPUTS,
+    BLOCK_SHARED_PARAMS=BLOCK_SHARED_PARAMS, attend_inputs=attend_inputs, block_saved=keeps(BLOCK_SAVED),
+    final_hidden=final_hidden, output_weight=output_weight, encode=encode, decode=decode,
+    example_batch=example_batch, check_mesh=check_mesh,
+)

@@ -11,7 +11,7 @@ Activation layouts use the names batch, seq, embed, heads, kv_heads, head_dim, m
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +20,7 @@ from einops import rearrange
 from fxmega.core.errors import ConfigError
 from fxmega.ops import kernels
 from fxmega.ops.rope import Rope, apply_rope
-from fxmega.sharding.layout import active, local, shard
+from fxmega.sharding.layout import ContextParallelism, active, context_parallelism, local, shard
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,26 +112,8 @@ class Attend(NamedTuple):
 IN_ORDER = Attend(False, None, None)  # a batch without padding, in order, without rotary positions
 
 
-class Context(Protocol):
-    """What attention needs of context parallelism (``fxmega.parallel.context.ContextParallel``):
-    the other ranks' chunks, gathered or exchanged for head groups."""
-
-    mode: str
-
-    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor: ...
-
-    def to_heads(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def from_heads(self, x: torch.Tensor) -> torch.Tensor: ...
-
-    def ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
-
-
-def _context() -> Context | None:
-    return getattr(active(), "context", None)
-
-
-def _chunk_mask(context: Context | None, positions: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+def _chunk_mask(context: ContextParallelism | None, positions: torch.Tensor,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
     # Runs on local chunks: causality from the positions, not the order. Keys are the whole
     # sequence (gathered); queries this rank's chunks, or under a2a the whole sequence too.
     q_pos = k_pos = positions
@@ -159,7 +141,7 @@ def attend_inputs(seq_len: int, device: torch.device, rope: Rope | None = None, 
             rotary = shard(torch.stack(rope.tables(torch.arange(seq_len, device=device), head_dim)), None, None, None)
         mask = None if valid is None else local(padded_causal_mask, (("batch", None),), _MASK_AXES)(valid)
         return Attend(False, rotary, mask)
-    context = _context()
+    context = context_parallelism()
     seq = ("batch", "ctx")
     rotary = None
     if rope is not None:
@@ -193,7 +175,7 @@ def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return sdpa(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=k.shape[2] != q.shape[2])
 
 
-def _attention_across_chunks(context: Context | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _attention_across_chunks(context: ContextParallelism | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                              mask: torch.Tensor | None = None) -> torch.Tensor:
     # Runs on local shards (heads may be split over tp): this rank's chunks of the sequence.
     # With cp the keys and values of the whole sequence are gathered (allgather), or q, k
@@ -230,7 +212,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attend: 
     mask = () if attend.mask is None else (attend.mask,)
     mask_axes = () if attend.mask is None else (_MASK_AXES,)
     if attend.chunks:
-        across = functools.partial(_attention_across_chunks, _context())
+        across = functools.partial(_attention_across_chunks, context_parallelism())
         return local(across, (_Q_CTX_AXES, _KV_CTX_AXES, _KV_CTX_AXES) + mask_axes, _Q_CTX_AXES)(q, k, v, *mask)
     return local(_causal_attention, (_QKV_AXES, _KV_AXES, _KV_AXES) + mask_axes, _QKV_AXES)(q, k, v, *mask)
 

@@ -19,11 +19,12 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives as funcol
 
+from fxmega.config import RunConfig
 from fxmega.core.errors import ConfigError
-from fxmega.models.registry import ModelFamily
+from fxmega.models.family import ModelFamily
 from fxmega.ops.phases import backward_phase
-from fxmega.sharding.mesh import MeshSpec
 from fxmega.parallel.ring_attention import ring_attention
+from fxmega.sharding.mesh import MeshSpec
 
 
 class SumGradOverContext(torch.autograd.Function):
@@ -89,19 +90,18 @@ class ContextParallel:
         return SumGradOverContext.apply(x, self.group)
 
 
-def check_context_parallel(cfg: Any, mesh: MeshSpec, model: ModelFamily) -> None:
+def check_context_parallel(cfg: RunConfig, mesh: MeshSpec, model: ModelFamily) -> None:
     """Refuse, before anything is built, what context parallelism does not do (yet)."""
     cp = mesh.size("cp")
     if cp == 1:
         return
-    name = getattr(model, "__name__", type(model).__name__).rsplit(".", 1)[-1]
-    if not getattr(model, "CONTEXT_PARALLEL", False):
-        raise ConfigError(f"--mesh {cfg.parallel.mesh}: the {name} model does not take out-of-order positions, which "
-                          f"context parallelism needs (GPT and Llama causal language models do): drop cp")
+    if not model.CONTEXT_PARALLEL:
+        raise ConfigError(f"--mesh {cfg.parallel.mesh}: the {model.name} model does not take out-of-order positions, "
+                          f"which context parallelism needs (GPT and Llama causal language models do): drop cp")
     head_tail_order(cfg.train.seq_len, cp)  # the sequence splits into 2 cp chunks
     if cfg.parallel.cp_attention == "a2a":
         ways = cp * mesh.size("tp")
-        heads = {"heads": cfg.model.n_heads, "kv heads": getattr(cfg.model, "kv_heads", cfg.model.n_heads)}
+        heads = {"heads": cfg.model.n_heads, "kv heads": model.kv_heads(cfg.model)}
         for what, n in heads.items():
             if n % ways:
                 raise ConfigError(f"--cp-attention a2a splits the attention heads over cp x tp = {ways} ranks, but "

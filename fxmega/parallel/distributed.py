@@ -21,12 +21,12 @@ from fxmega.config import RunConfig
 from fxmega.core.device import kernel_cache_name
 from fxmega.core.log import get_logger
 from fxmega.models import model_for
-from fxmega.models.registry import ModelFamily
+from fxmega.models.family import ModelFamily
 from fxmega.parallel.context import check_context_parallel
-from fxmega.sharding.mesh import MeshSpec, build_device_mesh, check_model_mesh, check_world_size
-from fxmega.sharding.plan import ShardingPlan
 from fxmega.parallel.runtime import Parallel
-from fxmega.parallel.strategy import plan_from
+from fxmega.parallel.strategy import run_plan
+from fxmega.sharding.mesh import MeshSpec, build_device_mesh, check_world_size
+from fxmega.sharding.plan import ShardingPlan
 
 log = get_logger(__name__)
 
@@ -76,9 +76,9 @@ def checked_plan(cfg: RunConfig, mesh: MeshSpec, model: ModelFamily) -> Sharding
     """The plan for ``mesh``, after the refusals the model family makes of it (experts not
     split over tp, context parallelism it cannot run): every check of the mesh against the
     model, divisibility and stage counts included, made before a process group exists."""
-    check_model_mesh(cfg, mesh, model)
+    model.check_mesh(cfg.model, mesh)
     check_context_parallel(cfg, mesh, model)
-    return plan_from(model.param_specs(cfg.model), cfg.parallel, model)
+    return run_plan(cfg, model)
 
 
 def rank_parallel(cfg: RunConfig, plan: ShardingPlan, device_mesh: DeviceMesh, rank: int,

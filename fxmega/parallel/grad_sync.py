@@ -154,10 +154,12 @@ class GradientSync:
             if full is not p:
                 p.copy_(full)
 
-    def init_opt_moments(self, device: torch.device | str) -> list[torch.Tensor]:
-        """One AdamW moment of this rank: zeros shaped as its optimizer views."""
+    def init_opt_moments(self, device: torch.device | str, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+        """One optimizer state tensor per parameter of this rank (an AdamW moment): zeros
+        shaped as its optimizer views."""
         shapes = [lay.local_shape("opt") for lay in self.layouts]
-        return [torch.zeros(s, device=device) for s in (self.flat.shapes(shapes) if self.flat is not None else shapes)]
+        return [torch.zeros(s, device=device, dtype=dtype)
+                for s in (self.flat.shapes(shapes) if self.flat is not None else shapes)]
 
     def moments_by_param(self, moments: list[torch.Tensor]) -> list[torch.Tensor]:
         """A moment laid out per parameter in its ``opt`` layout (what checkpoints hold):

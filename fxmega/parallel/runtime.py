@@ -28,14 +28,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from fxmega.config import ComputeConfig
 from fxmega.core import precision, tree
 from fxmega.ops.recompute import checkpointed
-from fxmega.sharding import layout
+from fxmega.optim.optimizer import Optimizer, init_state
 from fxmega.parallel.activation_layouts import ActivationLayouts
 from fxmega.parallel.context import ContextParallel, chunk_of
 from fxmega.parallel.grad_sync import GradientSync
 from fxmega.parallel.groups import ProcessGroups
 from fxmega.parallel.param_shards import ParamShards
-from fxmega.sharding.plan import ShardingPlan
 from fxmega.parallel.zero3 import gathered_call
+from fxmega.sharding import layout
+from fxmega.sharding.plan import ShardingPlan
 
 
 class PiecewiseLoss(Protocol):
@@ -77,10 +78,10 @@ class Parallel:
         self._gathers = {axes: (axes, self.groups.size(axes), self.groups.group(axes))
                          for axes in (lay.data_axes["param"] for lay in self.shards.layouts) if axes}
 
-    def init_opt_state(self, device: torch.device | str) -> dict:
-        """Fresh AdamW state for this rank's optimizer shard."""
-        return {"step": torch.zeros((), device=device), "exp_avg": self.grads.init_opt_moments(device),
-                "exp_avg_sq": self.grads.init_opt_moments(device)}
+    def init_opt_state(self, optimizer: Optimizer, device: torch.device | str) -> dict:
+        """Fresh state of ``optimizer`` for this rank's optimizer shard: each of its state
+        tensors laid out as the parameters' optimizer views."""
+        return init_state(optimizer, lambda dtype: self.grads.init_opt_moments(device, dtype), device)
 
     @property
     def gathers_params(self) -> bool:

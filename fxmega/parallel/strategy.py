@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
-from fxmega.config import ParallelConfig
+from fxmega.config import ParallelConfig, RunConfig
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError
+from fxmega.models.family import ModelFamily
+from fxmega.optim.optimizer import optimizer_for, state_bytes
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.pipeline import PipelineLayout, make_pipeline
-from fxmega.sharding.plan import ShardingPlan, make_plan
+from fxmega.sharding.plan import ADAMW_STATE_BYTES, ShardingPlan, make_plan
 from fxmega.sharding.rules import Strategy, preset
 
 
@@ -30,8 +30,10 @@ def strategy_from(p: ParallelConfig) -> Strategy:
     return Strategy(rules, zero, name, p.distributed_optimizer)
 
 
-def plan_from(specs: tree.Tree, p: ParallelConfig, model: ModuleType | None = None) -> ShardingPlan:
-    """The plan for ``p``; ``model`` (the model module) is needed when the mesh has pp."""
+def plan_from(specs: tree.Tree, p: ParallelConfig, model: ModelFamily | None = None,
+              opt_state_bytes: int = ADAMW_STATE_BYTES) -> ShardingPlan:
+    """The plan for ``p``; ``model`` (the family) is needed when the mesh has pp;
+    ``opt_state_bytes``: the optimizer's state per parameter element (``optim.optimizer.state_bytes``)."""
     mesh = MeshSpec.parse(p.mesh)
     pipeline, groups = None, ((), ())
     if mesh.size("pp") > 1:
@@ -39,10 +41,16 @@ def plan_from(specs: tree.Tree, p: ParallelConfig, model: ModuleType | None = No
             raise ConfigError("a mesh with pp needs the model module to cut stages")
         pipeline = pipeline_from(specs, mesh.size("pp"), p, model)
         groups = (model.EMBED_PARAMS, model.HEAD_PARAMS)
-    return make_plan(specs, mesh, strategy_from(p), pipeline, groups)
+    return make_plan(specs, mesh, strategy_from(p), pipeline, groups, opt_state_bytes)
 
 
-def pipeline_from(specs: tree.Tree, pp: int, p: ParallelConfig, model: ModuleType) -> PipelineLayout:
+def run_plan(cfg: RunConfig, model: ModelFamily) -> ShardingPlan:
+    """The plan of a run: ``model``'s parameters on ``cfg.parallel``, with the bytes of the
+    optimizer ``cfg.optim`` names (an unknown one is refused here, before any rank starts)."""
+    return plan_from(model.param_specs(cfg.model), cfg.parallel, model, state_bytes(optimizer_for(cfg.optim)))
+
+
+def pipeline_from(specs: tree.Tree, pp: int, p: ParallelConfig, model: ModelFamily) -> PipelineLayout:
     """Stages for ``pp`` ranks, costed in blocks: a block by its parameter count, the head by
     its own parameters (the vocabulary projection, tied or not), the embedding lookup as 0."""
     block = sum(s.numel for s in tree.leaves(specs["blocks"][0]))

@@ -39,15 +39,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from fxmega.config import override
+from fxmega.config import RunConfig, override
 from fxmega.core.errors import ConfigError
 from fxmega.models import model_for
+from fxmega.parallel.context import check_context_parallel
+from fxmega.parallel.strategy import run_plan
 from fxmega.planning.devices import DeviceProfile
 from fxmega.planning.report import estimate_plan, text_table
-from fxmega.parallel.context import check_context_parallel
-from fxmega.sharding.mesh import check_model_mesh
 from fxmega.sharding.pipeline import check_microbatches
-from fxmega.parallel.strategy import plan_from
 from fxmega.training.metrics import model_flops_per_token
 
 SCHEDULE_CHOICES = (("1f1b", 1), ("interleaved-1f1b", 2))
@@ -112,20 +111,20 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _cp_sizes(cfg: Any, devices: int) -> list[int]:
-    if not getattr(model_for(cfg.model), "CONTEXT_PARALLEL", False):
+def _cp_sizes(cfg: RunConfig, devices: int) -> list[int]:
+    if not model_for(cfg.model).CONTEXT_PARALLEL:
         return [1]
     return [cp for cp in _divisors(devices) if cfg.train.seq_len // (2 * cp) >= MIN_CP_CHUNK or cp == 1]
 
 
-def _ep_sizes(cfg: Any, dp: int) -> list[int]:
-    moe = getattr(cfg.model, "moe", None)
-    if moe is None or not moe.enabled:
+def _ep_sizes(cfg: RunConfig, dp: int) -> list[int]:
+    moe = model_for(cfg.model).experts(cfg.model)
+    if moe is None:
         return [1]
     return [ep for ep in _divisors(dp) if moe.n_experts % ep == 0]
 
 
-def candidates(cfg: Any, devices: int, profile: DeviceProfile) -> list[Candidate]:
+def candidates(cfg: RunConfig, devices: int, profile: DeviceProfile) -> list[Candidate]:
     out = []
     flat = cfg.parallel.distributed_optimizer  # kept for the ZeRO stages it shards (1, 2)
     overlap = cfg.parallel.overlap_comm or (cfg.train.compile and cfg.train.compile_backend == "inductor")
@@ -146,7 +145,7 @@ def candidates(cfg: Any, devices: int, profile: DeviceProfile) -> list[Candidate
     return out
 
 
-def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int, plans: dict | None = None) -> Candidate:
+def evaluate(cfg: RunConfig, c: Candidate, profile: DeviceProfile, budget: int, plans: dict | None = None) -> Candidate:
     """Fill in ``c``'s memory and step time, or its rejection reason; ``plans`` (layout ->
     plan, shared by the candidates of one search of ``cfg``) saves re-planning a layout."""
 
@@ -161,10 +160,10 @@ def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int, plans:
         key = (c.mesh, c.zero, c.schedule, c.virtual, c.flat)
         model = model_for(run_cfg.model)
         if key not in plans:
-            plans[key] = plan_from(model.param_specs(run_cfg.model), run_cfg.parallel, model)
+            plans[key] = run_plan(run_cfg, model)
         plan = plans[key]
         run_cfg.validate(plan.mesh.data_size)
-        check_model_mesh(run_cfg, plan.mesh, model)
+        model.check_mesh(run_cfg.model, plan.mesh)
         check_context_parallel(run_cfg, plan.mesh, model)
         if plan.pipeline is not None:
 
@@ -181,7 +180,7 @@ def evaluate(cfg: Any, c: Candidate, profile: DeviceProfile, budget: int, plans:
     return c
 
 
-def _price(cfg: Any, c: Candidate, est: Any, profile: DeviceProfile) -> None:
+def _price(cfg: RunConfig, c: Candidate, est: Any, profile: DeviceProfile) -> None:
     t = cfg.train
 
     specs = model_for(cfg.model).param_specs(cfg.model)
@@ -215,7 +214,7 @@ def _price(cfg: Any, c: Candidate, est: Any, profile: DeviceProfile) -> None:
     c.mfu = flops / devices / c.step_s / profile.peak_flops
 
 
-def search(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = None) -> list[Candidate]:
+def search(cfg: RunConfig, devices: int, profile: DeviceProfile, budget: int | None = None) -> list[Candidate]:
     """Every candidate for ``devices`` devices, evaluated: valid ones first, fastest first."""
     if devices < 1:
         raise ConfigError(f"--devices {devices}: give the number of devices to plan for, e.g. --devices 64")
@@ -226,7 +225,7 @@ def search(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = 
     return ok + [c for c in done if c.reason]
 
 
-def report(cfg: Any, devices: int, profile: DeviceProfile, budget: int | None = None, top: int = 10,
+def report(cfg: RunConfig, devices: int, profile: DeviceProfile, budget: int | None = None, top: int = 10,
            config_path: str = "...") -> str:
     budget = budget or profile.memory
     found = search(cfg, devices, profile, budget)

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
+from fxmega.config import RunConfig
 from fxmega.core.errors import ConfigError
 from fxmega.models import family_name, model_for
 from fxmega.models.census import Saved
+from fxmega.models.family import ModelConfig
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.plan import ShardingPlan
 
@@ -69,7 +70,7 @@ class Workload:
         return DTYPE_BYTES[self.precision]
 
 
-def workload_of(cfg: Any, data_size: int) -> Workload:
+def workload_of(cfg: RunConfig, data_size: int) -> Workload:
     """The ``Workload`` of a ``RunConfig`` on a mesh with ``data_size`` data ranks."""
     t, c = cfg.train, cfg.compute
     return Workload(t.micro_batch_size, t.seq_len, max(1, cfg.grad_accum_steps(data_size)), c.precision,
@@ -165,13 +166,14 @@ def block_bytes(b: BlockShape, act: int, mode: str, compiled: bool = True) -> in
     return sum(_size(e, b) for e in saved.values() if e[2] in keep and e[2] not in skip)
 
 
-def declares_saved(model_cfg: Any) -> bool:
+def declares_saved(model_cfg: ModelConfig) -> bool:
     """Whether the family says what its blocks keep, which the memory estimate needs."""
     model = model_for(model_cfg)
-    return hasattr(model, "block_saved") or getattr(model, "BLOCK_SAVED", None) is not None
+    return model.block_saved is not None
 
 
-def block_shape(plan: ShardingPlan, model_cfg: Any, tokens: int, index: int = 0, seq_len: int = 0) -> BlockShape:
+def block_shape(plan: ShardingPlan, model_cfg: ModelConfig, tokens: int, index: int = 0,
+                seq_len: int = 0) -> BlockShape:
     """The local sizes of block ``index`` on a rank of ``plan``, read off its parameters by
     their logical axes (tp splits heads, kv heads and mlp where the rules say so), and what
     the family says it keeps (``BLOCK_SAVED``, or ``block_saved(cfg, index, seq_len, ep)``
@@ -181,7 +183,8 @@ def block_shape(plan: ShardingPlan, model_cfg: Any, tokens: int, index: int = 0,
                      [lay for lay in plan.params.values() if lay.path.startswith(prefix)])
 
 
-def _shape_of(plan: ShardingPlan, model_cfg: Any, tokens: int, index: int, seq_len: int, layouts: list) -> BlockShape:
+def _shape_of(plan: ShardingPlan, model_cfg: ModelConfig, tokens: int, index: int, seq_len: int,
+              layouts: list) -> BlockShape:
     sizes: dict[str, int] = {}
     moe: dict[str, int] = {}
     prefix = f"blocks.{index}."
@@ -194,14 +197,11 @@ def _shape_of(plan: ShardingPlan, model_cfg: Any, tokens: int, index: int, seq_l
         for dim, axis in enumerate(lay.axes):
             sizes[axis] = min(sizes.get(axis, local[dim]), local[dim])
     model = model_for(model_cfg)
-    if hasattr(model, "block_saved"):
-        saved = model.block_saved(model_cfg, index, seq_len, plan.mesh.size("ep"))
-    else:
-        saved = getattr(model, "BLOCK_SAVED", None)
-    if saved is None:
-        raise ConfigError(f"the {family_name(model_cfg)} family declares no BLOCK_SAVED (what one block keeps for its "
+    if model.block_saved is None:
+        raise ConfigError(f"the {family_name(model_cfg)} family declares no block_saved (what one block keeps for its "
                           f"backward, fxmega.models.census), which the memory estimate needs: `run.py summary` counts "
                           f"its parameters")
+    saved = model.block_saved(model_cfg, index, seq_len, plan.mesh.size("ep"))
     heads = sizes.get("heads", model_cfg.n_heads)
     return BlockShape(tuple(saved), tokens, model_cfg.d_model, heads, sizes.get("kv_heads", heads),
                       sizes.get("head_dim", model_cfg.d_model // model_cfg.n_heads), sizes.get("mlp", 0),
@@ -225,7 +225,7 @@ def in_flight(plan: ShardingPlan, pp_rank: int, n_micro: int) -> float:
     return chunks / v
 
 
-def memory(plan: ShardingPlan, model_cfg: Any, work: Workload) -> list[MemoryEstimate]:
+def memory(plan: ShardingPlan, model_cfg: ModelConfig, work: Workload) -> list[MemoryEstimate]:
     """A ``MemoryEstimate`` per pp rank (one without pipeline parallelism)."""
     act = work.act_bytes
     shapes = block_shapes(plan, model_cfg, work)
@@ -271,7 +271,7 @@ def memory(plan: ShardingPlan, model_cfg: Any, work: Workload) -> list[MemoryEst
     return out
 
 
-def block_shapes(plan: ShardingPlan, model_cfg: Any, work: Workload) -> dict[int, BlockShape]:
+def block_shapes(plan: ShardingPlan, model_cfg: ModelConfig, work: Workload) -> dict[int, BlockShape]:
     """``block_shape`` of every block, reading the plan's parameters once."""
     by_block: dict[int, list] = {}
     for lay in plan.params.values():
@@ -288,7 +288,8 @@ def saved_count(shape: BlockShape, name: str) -> float:
     return next((s.count for s in shape.saved if s.name == name), 0)
 
 
-def first_shape(plan: ShardingPlan, model_cfg: Any, work: Workload, shapes: dict[int, BlockShape]) -> BlockShape:
+def first_shape(plan: ShardingPlan, model_cfg: ModelConfig, work: Workload, shapes: dict[int,
+                BlockShape]) -> BlockShape:
     """The first block's shape (a model without blocks: what its first block would be)."""
     return shapes[min(shapes)] if shapes else block_shape(plan, model_cfg, work.tokens)
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fxmega.planning.devices import DeviceProfile
 from fxmega.compiler.inspect import Collective
+from fxmega.planning.devices import DeviceProfile
 from fxmega.sharding.mesh import MeshSpec
 
 

@@ -22,16 +22,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fxmega.compiler.inspect import Collective, record_collectives
 from fxmega.config import RunConfig
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.core.precision import compute_dtype
 from fxmega.models import loss_by_pieces, model_for
+from fxmega.optim.optimizer import Optimizer, optimizer_for
 from fxmega.parallel.distributed import checked_plan, rank_parallel
-from fxmega.compiler.inspect import Collective, record_collectives
-from fxmega.sharding.mesh import MeshSpec, build_device_mesh
 from fxmega.parallel.runtime import Parallel
-from fxmega.training.optim import AdamWHyper, decay_mask
+from fxmega.sharding.mesh import MeshSpec, build_device_mesh
+from fxmega.training.optim import decay_mask
 from fxmega.training.pipeline_step import PipelineStep
 from fxmega.training.step import TrainStep
 
@@ -122,9 +123,9 @@ def trace_rank_step(cfg: RunConfig, par: Parallel) -> RankTrace:
 
     start = time.perf_counter()
     params = meta_params(par)
-    opt = par.init_opt_state("meta")
+    optimizer = optimizer_for(cfg.optim)
+    opt = par.init_opt_state(optimizer, "meta")
     t = cfg.train
-    hyper = AdamWHyper(cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay)
     decay = decay_mask(par.specs, cfg.optim.decay_embeddings)
     batch = {"inputs": torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta"),
              "targets": torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta")}
@@ -132,20 +133,20 @@ def trace_rank_step(cfg: RunConfig, par: Parallel) -> RankTrace:
     with record_collectives() as graphs:
         if par.plan.pipeline is None:
             loss_sum = par.loss_sum_fn(loss_by_pieces(cfg.model, par.compute))
-            step = TrainStep(loss_sum, decay, hyper, cfg.optim.clip_grad, compile=True, parallel=par,
+            step = TrainStep(loss_sum, decay, optimizer, cfg.optim.clip_grad, compile=True, parallel=par,
                              backend="aot_eager")
             step(params, opt, [batch], 1e-4, n_tokens=torch.tensor(float(batch["targets"].numel())))
         else:
-            _trace_stages(cfg, par, params, decay, hyper, batch)
+            _trace_stages(cfg, par, params, decay, optimizer, batch)
     return RankTrace(graphs, par.groups.labels(), time.perf_counter() - start)
 
 
-def _trace_stages(cfg: RunConfig, par: Parallel, params: tree.Tree, decay: list, hyper: AdamWHyper,
+def _trace_stages(cfg: RunConfig, par: Parallel, params: tree.Tree, decay: list, optimizer: Optimizer,
                   batch: dict) -> None:
     params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), params)
     n_micro = max(cfg.grad_accum_steps(par.groups.data_size), par.plan.pipeline.pp)
     model = model_for(cfg.model)
-    step = PipelineStep(par, cfg.model, model, model.objective(cfg.model), params, decay, hyper,
+    step = PipelineStep(par, cfg.model, model, model.objective(cfg.model), params, decay, optimizer,
                         cfg.optim.clip_grad, n_micro, True, torch.device("meta"), backend="aot_eager")
     first_batch = {**batch, **{k: batch["inputs"] for k in model.EMBED_INPUTS}}  # e.g. BERT's token types
     for stage in step.stages:  # a later stage reads the residual stream in the compute dtype

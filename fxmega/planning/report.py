@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
-from fxmega.core.errors import ConfigError
 from fxmega.compiler.kernel_dump import dump_kernels
+from fxmega.config import RunConfig
+from fxmega.core.errors import ConfigError
 from fxmega.models import family_name, model_for
-from fxmega.planning import exposure, fake
+from fxmega.parallel.strategy import run_plan
+from fxmega.planning import estimate, exposure, fake
 from fxmega.planning.devices import PROFILES, DeviceProfile
-from fxmega.planning import estimate
+from fxmega.planning.traffic import AxisTraffic, communication
 from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
 from fxmega.sharding.pipeline import SPLIT_BACKWARD
 from fxmega.sharding.plan import ShardingPlan, format_bytes
-from fxmega.parallel.strategy import plan_from
-from fxmega.planning.traffic import AxisTraffic, communication
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -54,7 +53,7 @@ class PlanEstimate:
         return max(m.total for m in self.memory)
 
 
-def estimate_plan(cfg: Any, plan: ShardingPlan) -> PlanEstimate:
+def estimate_plan(cfg: RunConfig, plan: ShardingPlan) -> PlanEstimate:
 
     work = estimate.workload_of(cfg, plan.mesh.data_size)
     mem = estimate.memory(plan, cfg.model, work)
@@ -154,14 +153,14 @@ def text_table(rows: list[tuple]) -> list[str]:
     return out
 
 
-def plan_report(cfg: Any, budget: int | None = None, rank: int | None = None, verify: bool = True,
+def plan_report(cfg: RunConfig, budget: int | None = None, rank: int | None = None, verify: bool = True,
                 dump_dir: str | None = None, profile: DeviceProfile = PROFILES["h100"]) -> str:
     """The ``run.py plan`` text for ``cfg`` (its ``parallel.mesh``), optionally tracing ``rank``
     (and writing its traced graphs under ``dump_dir``, see ``fxmega.compiler.kernel_dump``) and
     replaying its collectives at ``profile``'s rates (``fxmega.planning.exposure``)."""
 
     model = model_for(cfg.model)
-    plan = plan_from(model.param_specs(cfg.model), cfg.parallel, model)
+    plan = run_plan(cfg, model)
     cfg.validate(plan.mesh.data_size)
     lines = rank_layout(plan.mesh) + [""] + _collapse_blocks(plan.explain().splitlines(), cfg.model.n_layers)
     if not estimate.declares_saved(cfg.model):
@@ -217,7 +216,7 @@ def _collapse_blocks(lines: list[str], n_layers: int) -> list[str]:
     return out
 
 
-def _on_fake_mesh(cfg: Any, plan: ShardingPlan, rank: int | None, profile: DeviceProfile,
+def _on_fake_mesh(cfg: RunConfig, plan: ShardingPlan, rank: int | None, profile: DeviceProfile,
                   dump_dir: str | None = None) -> list[str]:
     import contextlib
 

@@ -17,9 +17,8 @@ def check_shapes(model_cfg: object, seq_len: int, batch: int = 1) -> tuple[int, 
     the logits shape."""
     model = model_for(model_cfg)
     params = meta_params(model.param_specs(model_cfg))
-    example = getattr(model, "example_batch", None)  # a family whose batches are more than tokens (T5)
-    if example is not None:
-        inputs = example(model_cfg, batch, "meta")
+    if model.example_batch is not None:  # a family whose batches are more than tokens (T5)
+        inputs = model.example_batch(model_cfg, batch, "meta")
     else:
         inputs = {"inputs": torch.zeros(batch, seq_len, dtype=torch.long, device="meta")}
     logits = pieces.run_pieces(model, params, params, inputs["inputs"], model_cfg, recompute.plain_call,
@@ -69,7 +68,7 @@ def summary(model_cfg: object, seq_len: int) -> str:
              f"n_heads={model_cfg.n_heads}, vocab_size={model_cfg.vocab_size}"]
     lines += [f"  {name:<{width}}{n:>15,}  {shapes}".rstrip() for name, n, shapes in rows]
     lines.append(f"parameters: {total:,}")
-    active = getattr(model_for(model_cfg), "active_params", None)
+    active = model_for(model_cfg).active_params
     if active is not None:  # a mixture of experts: what one token passes through
         lines.append(f"active per token: {active(model_cfg):,}")
     lines.append(f"FLOPs/token at seq_len {seq_len}: {flops:,} (6N + 12*L*H*Q*T; N without position embeddings)")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fxmega.models import model_for
+from fxmega.models.family import ModelConfig
 from fxmega.parallel import collectives
 from fxmega.planning.estimate import (
     DTYPE_BYTES,
@@ -61,7 +62,7 @@ class AxisTraffic:
         self.op_bytes[op] = self.op_bytes.get(op, 0.0) + count * factor * buffer_bytes
 
 
-def communication(plan: ShardingPlan, model_cfg: Any, work: Workload,
+def communication(plan: ShardingPlan, model_cfg: ModelConfig, work: Workload,
                   bucket_numel: int = 40_000_000, pp_rank: int = 0) -> dict[str, AxisTraffic]:
     """Bytes each rank of pp rank ``pp_rank`` sends per step, and collectives, per mesh axis."""
     mesh, act = plan.mesh, work.act_bytes
@@ -219,16 +220,16 @@ def _tp_traffic(plan: ShardingPlan, work: Workload, shapes: dict[int, BlockShape
         out.add("all_reduce", n, FP32, tp)
 
 
-def model_groups(model_cfg: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def model_groups(model_cfg: ModelConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The model's embedding and head parameter groups (ZeRO-3 gathers each as one piece)."""
     model = model_for(model_cfg)
-    return tuple(getattr(model, "EMBED_PARAMS", ())), tuple(getattr(model, "HEAD_PARAMS", ()))
+    return model.EMBED_PARAMS, model.HEAD_PARAMS
 
 
-def embed_backward_reads_params(model_cfg: Any) -> bool:
+def embed_backward_reads_params(model_cfg: ModelConfig) -> bool:
     """Whether the family's embedding needs its parameters in the backward (BERT's ends with
     a LayerNorm; a plain lookup plus positions does not), so ZeRO-3 gathers it again there."""
-    return bool(getattr(model_for(model_cfg), "EMBED_BACKWARD_READS_PARAMS", False))
+    return model_for(model_cfg).EMBED_BACKWARD_READS_PARAMS
 
 
 def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: int,

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 
 from fxmega.core.errors import ConfigError
 from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
-from fxmega.sharding.plan import BYTES_PER_ELEMENT, ShardingPlan, format_bytes
+from fxmega.sharding.plan import ShardingPlan, format_bytes
 
 _PLACEMENT = re.compile(r"S\((\d+)\)|R|P")
 _ANSI = (153, 217, 186, 229, 183, 152, 223, 195, 218, 194, 189, 230, 159, 224, 157, 225)  # light backgrounds
@@ -269,7 +269,7 @@ def _param_row(plan: ShardingPlan, path: str) -> str:
     local = html.escape(str(list(p.local_shape("param"))))
     if opt and opt != pl:
         pl, local = f"{pl}<br>opt: {opt}", f"{local}<br>opt: {html.escape(str(list(p.local_shape('opt'))))}"
-    nbytes = format_bytes(p.local_numel() * BYTES_PER_ELEMENT)
+    nbytes = format_bytes(p.local_numel() * plan.param_bytes)
     cells = [html.escape(path), html.escape(str(list(p.shape))), html.escape("(" + ", ".join(p.axes) + ")"), pl,
              local, html.escape(nbytes), _param_picture(plan, path, "param").svg()]
     return '<tr class="param">' + "".join(f"<td>{c}</td>" for c in cells) + "</tr>"

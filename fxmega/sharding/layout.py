@@ -21,8 +21,25 @@ from typing import Any, Protocol
 import torch
 
 
+class ContextParallelism(Protocol):
+    """What attention needs of context parallelism (``fxmega.parallel.context.ContextParallel``):
+    the other ranks' chunks, gathered or exchanged for head groups."""
+
+    mode: str
+
+    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor: ...
+
+    def to_heads(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def from_heads(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def ring(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
 class ActivationLayout(Protocol):
-    """What a sharding plan provides to model code (implemented in ``fxmega.sharding``)."""
+    """What a sharding plan provides to model code (implemented in ``fxmega.parallel``)."""
+
+    context: ContextParallelism | None  # cp's collectives for attention; None without cp
 
     def constrain(self, x: Any, axes: tuple[str | None, ...]) -> Any: ...
 
@@ -50,6 +67,12 @@ def activate(layout: ActivationLayout | None) -> Iterator[None]:
 
 def active() -> ActivationLayout | None:
     return _active
+
+
+def context_parallelism() -> ContextParallelism | None:
+    """The active plan's context parallelism, which attention reaches across chunks with
+    (None: no plan, or no cp axis)."""
+    return None if _active is None else _active.context
 
 
 def shard(x: torch.Tensor, *axes: str | None) -> torch.Tensor:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from fxmega.core.errors import ConfigError
 
@@ -180,14 +179,6 @@ def check_world_size(spec: MeshSpec, world_size: int, argv_hint: str = "run.py .
             f"without a launcher and fxmega starts {spec.world_size} local processes), or choose a mesh whose sizes "
             f"multiply to {world_size}"
         )
-
-
-def check_model_mesh(cfg: Any, spec: MeshSpec, model: Any) -> None:
-    """Refuse, before anything is built, a mesh the model family says it cannot run on: a
-    family may define ``check_mesh(cfg, spec)`` (e.g. experts not yet split over tp)."""
-    check = getattr(model, "check_mesh", None)
-    if check is not None:
-        check(cfg, spec)
 
 
 def build_device_mesh(spec: MeshSpec, device_type: str):  # -> torch.distributed.device_mesh.DeviceMesh

@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import torch
+
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.core.spec import ParamSpec
@@ -24,7 +26,10 @@ from fxmega.sharding.pipeline import PipelineLayout
 from fxmega.sharding.rules import LOGICAL_AXES, Strategy, mesh_axes_of
 
 KINDS = ("param", "grad", "opt")
-BYTES_PER_ELEMENT = 4  # fp32 parameters, gradients and AdamW moments
+# the masters and their gradients are fp32 (compute may be bf16 or fp16; ``core.precision``)
+MASTER_DTYPE = torch.float32
+# AdamW: two fp32 moments per parameter element (the optimizer declares its own: ``optim.optimizer``)
+ADAMW_STATE_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -101,7 +106,14 @@ class ShardingPlan:
     pipeline: PipelineLayout | None = None
     embed_groups: tuple[str, ...] = ()  # the model's EMBED_PARAMS / HEAD_PARAMS (for stage ownership)
     head_groups: tuple[str, ...] = ()
+    master_dtype: torch.dtype = MASTER_DTYPE  # of the parameters and their gradients
+    opt_state_bytes: int = ADAMW_STATE_BYTES  # the optimizer's state per parameter element
     _owners: dict[str, list[int]] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per parameter (and gradient) element: the master dtype's."""
+        return self.master_dtype.itemsize
 
     def pp_owners(self, path: str) -> list[int]:
         """The pp ranks that hold parameter ``path`` (all of them: [0] without pp)."""
@@ -134,7 +146,6 @@ class ShardingPlan:
 
     def bytes_per_rank(self, pp_rank: int = 0) -> dict[str, int]:
         """Parameter, gradient and optimizer bytes on a rank (of pipeline rank ``pp_rank``)."""
-        copies = {"param": 1, "grad": 1, "opt": 2}  # AdamW keeps two moments
         mine = [p for p in self.params.values() if pp_rank in self.pp_owners(p.path)]
         numel = {kind: sum(p.local_numel(kind) for p in mine) for kind in KINDS}
         if self.strategy.flat:  # 1/n of each tensor's n replicas (up to a bucket's padding of < n elements)
@@ -143,14 +154,16 @@ class ShardingPlan:
             numel["opt"] = sum(-(-p.local_numel("opt") // n) for p, n in zip(mine, split))
             if self.zero >= 2:  # the accumulated gradient too
                 numel["grad"] = numel["opt"]
-        return {kind: numel[kind] * BYTES_PER_ELEMENT * copies[kind] for kind in KINDS}
+        per_element = {"param": self.param_bytes, "grad": self.param_bytes, "opt": self.opt_state_bytes}
+        return {kind: numel[kind] * per_element[kind] for kind in KINDS}
 
     def explain(self) -> str:
         return explain(self)
 
 
 def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy, pipeline: PipelineLayout | None = None,
-              model_groups: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())) -> ShardingPlan:
+              model_groups: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
+              opt_state_bytes: int = ADAMW_STATE_BYTES) -> ShardingPlan:
     """Validate ``strategy`` against the specs and mesh and lay out every parameter; with
     pp > 1, ``pipeline`` says which stage (and pp rank) holds what, and ``model_groups``
     the model's embedding and head parameter groups."""
@@ -192,7 +205,7 @@ def make_plan(specs: tree.Tree, mesh: MeshSpec, strategy: Strategy, pipeline: Pi
     vocab_split = "tp" in mesh_axes_of(rules.get("vocab"))
     padded_vocab = -(-vocab // tp) * tp if vocab and vocab_split else vocab
     plan = ShardingPlan(mesh, strategy, {}, vocab, padded_vocab, pipeline=pipeline, embed_groups=model_groups[0],
-                        head_groups=model_groups[1])
+                        head_groups=model_groups[1], opt_state_bytes=opt_state_bytes)
     if padded_vocab != vocab:
         plan.notes.append(f"vocab {vocab:,} padded to {padded_vocab:,} so that tp={tp} divides it; "
                           f"the padded logits are masked out of the loss")
@@ -328,7 +341,7 @@ def explain(plan: ShardingPlan) -> str:
             pl += " @ pp " + ",".join(map(str, plan.pp_owners(p.path)))
         axes = "(" + ", ".join(map(str, p.axes)) + ")"  # None: a dimension no rule splits
         rows.append((p.path, str(list(p.shape)), axes, pl, str(list(p.local_shape())),
-                     format_bytes(p.local_numel() * BYTES_PER_ELEMENT)))
+                     format_bytes(p.local_numel() * plan.param_bytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for i, r in enumerate(rows):
         lines.append("  ".join(c.ljust(w) if j < 5 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))))

@@ -21,6 +21,7 @@ from fxmega.core.errors import CheckpointError, ConfigError
 from fxmega.core.json_files import check_fields
 from fxmega.data.tokenizer import portable
 from fxmega.models import gpt, llama, mixtral
+from fxmega.models.family import ModelConfig
 from fxmega.ops.moe import MoE
 from fxmega.ops.rope import RopeScaling
 from fxmega.storage import checkpoint, hf_files, hf_layout, hf_t5
@@ -257,7 +258,7 @@ _LAYOUTS = {"gpt2": (hf_layout.gpt2_from_hf, hf_layout.gpt2_to_hf),
             "qwen2_moe": (hf_layout.qwen_moe_from_hf, hf_layout.qwen_moe_to_hf)}
 
 
-def hf_kind(family: str, cfg: Any) -> str:
+def hf_kind(family: str, cfg: ModelConfig) -> str:
     """The Hugging Face model_type fxmega writes a ``family`` model as: a mixtral-family
     model with ``qk_norm`` as Qwen3-MoE, with a gate on its shared experts as Qwen2-MoE."""
     if family == "mixtral" and cfg.qk_norm:
@@ -289,7 +290,7 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[str, 
     return family, cfg, params
 
 
-def to_hf(family: str, cfg: Any, params: dict, path: str | Path, eos_id: int | None = None) -> Path:
+def to_hf(family: str, cfg: ModelConfig, params: dict, path: str | Path, eos_id: int | None = None) -> Path:
     """Write ``params`` as a Hugging Face model directory (config.json + model.safetensors).
     ``eos_id``: the tokenizer's end-of-document id (None: it has none). A decoder's config
     states its special ids either way: left out, transformers would assume GPT-2's 50256 or
@@ -325,7 +326,7 @@ def to_hf(family: str, cfg: Any, params: dict, path: str | Path, eos_id: int | N
     return path
 
 
-def save_params(root: str | Path, family: str, cfg: Any, params: dict, source: str,
+def save_params(root: str | Path, family: str, cfg: ModelConfig, params: dict, source: str,
                 tokenizer: str | None = None, data_dir: str = "data") -> Path:
     """A parameters-only fxmega checkpoint (step 0) that describes itself: its model config,
     its tokenizer (the spec ``tokenizer``, its files copied in) and, for a Hugging Face

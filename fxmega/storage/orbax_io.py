@@ -22,6 +22,7 @@ from fxmega.core import tree
 from fxmega.core.errors import CheckpointError, ConfigError
 from fxmega.core.json_files import read_object
 from fxmega.models import registry
+from fxmega.models.family import ModelConfig
 
 
 def _orbax():
@@ -32,7 +33,7 @@ def _orbax():
     return ocp
 
 
-def to_orbax(family: str, cfg: Any, params: dict, path: str | Path) -> Path:
+def to_orbax(family: str, cfg: ModelConfig, params: dict, path: str | Path) -> Path:
     """Write ``params`` (full tensors) and the model config under ``path``."""
     ocp = _orbax()
     path = Path(path).resolve()

@@ -59,6 +59,12 @@ class RunState(HoldsParams, Protocol):
     tokenizer: Tokenizer | None
 
 
+def state_names(opt_state: dict) -> list[str]:
+    """The optimizer's per-parameter state tensors (``optim.optimizer.StateSpec``) by name:
+    everything in its state but the step count."""
+    return [k for k in opt_state if k != "step"]
+
+
 def _targets(run: HoldsParams | RunState, params_only: bool = False) -> dict[str, tuple[torch.Tensor, Any, str]]:
     """fqn -> (this rank's local tensor, its layout or None, kind)."""
     par, paths = run.parallel, tree.paths(run.local_specs)
@@ -66,7 +72,7 @@ def _targets(run: HoldsParams | RunState, params_only: bool = False) -> dict[str
     out = {f"params.{p}": (t, lay, "param") for p, t, lay in zip(paths, tree.leaves(run.params), lays)}
     if not params_only:
         out["opt.step"] = (run.opt_state["step"], None, "scalar")
-        for k in ("exp_avg", "exp_avg_sq"):
+        for k in state_names(run.opt_state):
             # per parameter (the distributed optimizer's segments gathered: a copy, see load_into)
             moments = par.grads.moments_by_param(run.opt_state[k]) if par is not None else run.opt_state[k]
             out |= {f"opt.{k}.{p}": (t, lay, "opt") for p, t, lay in zip(paths, moments, lays)}
@@ -133,7 +139,7 @@ def load_into(run: HoldsParams | RunState, path: Path, params_only: bool = False
         par = run.parallel
         if not params_only and par is not None and par.grads.flat is not None:  # the targets were copies
             paths = tree.paths(run.local_specs)
-            for k in ("exp_avg", "exp_avg_sq"):
+            for k in state_names(run.opt_state):
                 par.grads.moments_from_params([targets[f"opt.{k}.{p}"][0] for p in paths], run.opt_state[k])
     if not params_only:
         run.step = int(info["step"])

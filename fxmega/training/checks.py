@@ -15,8 +15,9 @@ import torch
 from fxmega.config import RunConfig
 from fxmega.core.errors import ConfigError
 from fxmega.models import family_name
-from fxmega.models.registry import ModelFamily
+from fxmega.models.family import ModelFamily
 from fxmega.ops import kernels
+from fxmega.optim.optimizer import optimizer_for
 from fxmega.parallel.distributed import checked_plan
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.plan import ShardingPlan
@@ -35,6 +36,7 @@ def check_run(cfg: RunConfig, plan: ShardingPlan | None, device: torch.device, m
     """The config's fields with the batch arithmetic on ``plan``'s data size, then the compute
     options (``check_compute``); returns ``cfg``."""
     cfg.validate(1 if plan is None else plan.mesh.data_size)
+    optimizer_for(cfg.optim)  # an optimizer it does not know is refused here
     check_compute(cfg, plan, device, model)
     return cfg
 
@@ -76,11 +78,11 @@ def check_compute(cfg: RunConfig, plan: ShardingPlan | None, device: torch.devic
             raise ConfigError("parallel.overlap_param_gather=true is not supported with pipeline parallelism yet "
                               "(the stages' forwards run in torch's schedule, outside the step's graph): set "
                               "parallel.overlap_param_gather=false")
-    if cfg.data.pack and not getattr(model, "CONTEXT_PARALLEL", False):
+    if cfg.data.pack and not model.CONTEXT_PARALLEL:
         raise ConfigError(f"data.pack=true restarts the positions in every packed conversation; the "
                           f"{family_name(cfg.model)} model does not take a position per token (GPT, Llama and "
                           f"Mixtral do): set data.pack=false")
-    if c.loss_chunk and not (hasattr(model, "final_hidden") and hasattr(model, "output_weight")):
+    if c.loss_chunk and not model.can_chunk_loss:
         raise ConfigError(f"compute.loss_chunk={c.loss_chunk}: the {family_name(cfg.model)} head is not a final norm "
                           f"and one output projection (final_hidden, output_weight), which the chunked loss "
                           f"needs: set compute.loss_chunk=0")

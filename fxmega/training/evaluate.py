@@ -14,15 +14,16 @@ import torch
 
 from fxmega.config import RunConfig
 from fxmega.core import precision, tree
+from fxmega.core.compute import ComputeConfig
 from fxmega.data.batches import micro_batches, my_rows
 from fxmega.data.sources import build_data
 from fxmega.inference.model_loader import LoadedModel, load_model
 from fxmega.models import lm_loss_sum, loss_by_pieces
-from fxmega.models.registry import ModelFamily
+from fxmega.models.family import ModelConfig, ModelFamily
 from fxmega.ops import kernels, recompute
 from fxmega.ops.objectives import Objective, global_count
+from fxmega.optim.adamw import AdamW, AdamWHyper
 from fxmega.parallel.runtime import Parallel
-from fxmega.training.optim import AdamWHyper
 from fxmega.training.pipeline_step import PipelineStep
 from fxmega.training.step import EvalStep, LossSumFn
 
@@ -71,7 +72,8 @@ def my_micro_batches(batch: Batch, micro: int, parallel: Parallel | None, device
     return to_device(my_host_micro_batches(batch, micro, parallel), device)
 
 
-def one_device_loss_sum(specs: dict, model_cfg: Any, compute: Any, model: ModelFamily | None = None,
+def one_device_loss_sum(specs: dict, model_cfg: ModelConfig, compute: ComputeConfig | None,
+                        model: ModelFamily | None = None,
                         objective: Objective | None = None) -> LossSumFn:
     """The objective's summed loss over a batch on one device, from the flat fp32 parameters:
     cast to the compute dtype (autograd casts the gradients back), run piece by piece.
@@ -117,8 +119,9 @@ def eval_sums(loaded: LoadedModel) -> tuple[Callable[[list[Batch]], torch.Tensor
         params = tree.map_leaves(lambda p: torch.nn.Parameter(p, requires_grad=True), loaded.params)
         loaded.params = params
         decay = [False] * len(tree.leaves(params))
+        no_update = AdamW(AdamWHyper())  # evaluation never steps: the stage needs an optimizer only to exist
         pipe = PipelineStep(par, cfg.model, loaded.model, loaded.model.objective(cfg.model), params, decay,
-                            AdamWHyper(), 0.0, cfg.grad_accum_steps(par.groups.data_size), t.compile, loaded.device,
+                            no_update, 0.0, cfg.grad_accum_steps(par.groups.data_size), t.compile, loaded.device,
                             backend=t.compile_backend, options=recompute.inductor_options(False))
         return pipe.eval_sum, True
     if par is None:

@@ -1,6 +1,6 @@
 """Fine-tuning for sequence classification: a linear head on a pooled text representation.
 
-The model is ``fxmega.models.classifier.Classifier``: the family's embedding and blocks,
+The model is ``fxmega.models.classifier.classifier``: the family's embedding and blocks,
 and a head that pools (BERT: its pooler, or the [CLS] hidden state; GPT and Llama: the
 final-norm hidden state of each row's last real token, the only position that has seen
 the whole text under causal attention) and classifies. It is a model family like any
@@ -32,11 +32,11 @@ from fxmega.data.mlm import specials_for
 from fxmega.data.sources import Data
 from fxmega.data.tokenizer import build_tokenizer
 from fxmega.models import bert, family_name, loss_by_pieces, model_for
-from fxmega.models.classifier import Classifier
+from fxmega.models.classifier import classifier
 from fxmega.ops.init import init_params
 from fxmega.parallel import distributed
-from fxmega.sharding.mesh import parse_mesh
 from fxmega.parallel.runtime import Parallel
+from fxmega.sharding.mesh import parse_mesh
 from fxmega.storage import checkpoint, run_state
 from fxmega.storage.hf_bert import load_hf_dir
 from fxmega.training import tracking
@@ -100,7 +100,7 @@ class FineTune:
         load = load or cfg.train.load_dir or None
         hf = None
         if load and checkpoint.resolve(load) is None and (Path(load) / "config.json").is_file():
-            if model_for(cfg.model) is not bert:
+            if model_for(cfg.model) is not bert.FAMILY:
                 raise ConfigError(f"--load {load} is a Hugging Face directory; only BERT ones are read (the config's "
                                   f"model is {family_name(cfg.model)}): convert it first (run.py convert --from-hf)")
             model_cfg, hf = load_hf_dir(load)
@@ -113,13 +113,13 @@ class FineTune:
                               f"which a classification head does not have: set compute.loss_chunk=0")
         if tokenizer is None:
             tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.data_dir)
-        splits = load_classification(data_path, tokenizer, t.seq_len, mcfg.vocab_size,
-                                     specials=specials_for(tokenizer, mcfg.vocab_size) if family is bert else None,
+        specials = specials_for(tokenizer, mcfg.vocab_size) if family is bert.FAMILY else None
+        splits = load_classification(data_path, tokenizer, t.seq_len, mcfg.vocab_size, specials=specials,
                                      valid_path=valid_path, valid_fraction=cfg.data.valid_fraction,
                                      n_classes=n_classes, seed=t.seed)
         if len(splits.labels) < 2:
             raise DataError(f"{data_path} has a single class ({splits.labels[0]!r}): classification needs at least two")
-        model = Classifier(family, mcfg, len(splits.labels))
+        model = classifier(family, mcfg, len(splits.labels))
         par: Parallel | None = None
         if mesh.world_size > 1:  # the process group, the plan of the backbone and the classifier
             par, device = distributed.setup(cfg, mesh, model)
@@ -136,7 +136,7 @@ class FineTune:
             else:
                 _load_checkpoint(load, run.specs, full, self.say)
             self._set_params(dict(tree.items(full)))
-        eval_objective = model.eval_objective()
+        eval_objective = model.eval_objective(mcfg)
         self._eval_objective = eval_objective
         if not run.pipelined:
             sums = one_device_loss_sum(run.specs, mcfg, cfg.compute, model, eval_objective) if par is None else \

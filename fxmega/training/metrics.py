@@ -19,6 +19,7 @@ import torch
 
 from fxmega.core import tree
 from fxmega.core.spec import ParamSpec
+from fxmega.models import model_for
 
 
 def flops_per_token(specs: tree.Tree, n_layers: int, attention_width: int, seq_len: int,
@@ -36,8 +37,8 @@ def flops_per_token(specs: tree.Tree, n_layers: int, attention_width: int, seq_l
 def model_flops_per_token(specs: tree.Tree, model_cfg: object, seq_len: int) -> int:
     """``flops_per_token`` for a model config; a mixture of experts counts the ``top_k`` of
     ``n_experts`` each token is routed to."""
-    moe = getattr(model_cfg, "moe", None)
-    fraction = moe.top_k / moe.n_experts if moe is not None and moe.enabled else 1.0
+    moe = model_for(model_cfg).experts(model_cfg)
+    fraction = moe.top_k / moe.n_experts if moe is not None else 1.0
     return flops_per_token(specs, model_cfg.n_layers, model_cfg.n_heads * model_cfg.head_dim, seq_len, fraction)
 
 

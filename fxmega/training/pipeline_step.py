@@ -32,14 +32,14 @@ from torch.distributed import pipelining
 
 from fxmega.core import tree
 from fxmega.core.log import get_logger
+from fxmega.models.family import ModelConfig, ModelFamily
 from fxmega.models.pieces import embed_inputs, output_axes, run_pieces
-from fxmega.models.registry import ModelConfig, ModelFamily
 from fxmega.ops import aux_loss
 from fxmega.ops.objectives import Objective, global_count
+from fxmega.optim.optimizer import Optimizer
+from fxmega.parallel.runtime import Parallel
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import SCHEDULES, SPLIT_BACKWARD, Stage, check_microbatches
-from fxmega.parallel.runtime import Parallel
-from fxmega.training.optim import AdamWHyper
 from fxmega.training.step import compiled
 from fxmega.training.update import Update
 
@@ -73,7 +73,7 @@ class PipelineStep:
 
     def __init__(self, par: Parallel, cfg: ModelConfig, model: ModelFamily, objective: Objective, params: dict,
                  decay: list[bool],
-                 hyper: AdamWHyper,
+                 optimizer: Optimizer,
                  clip_grad: float, n_micro: int, compile: bool, device: torch.device,
                  backend: str = "inductor", options: dict | None = None, sign_rates: tuple[float, ...] = (),
                  meter_size: int = 0) -> None:
@@ -81,10 +81,10 @@ class PipelineStep:
         check_microbatches(pipe.schedule, n_micro, pipe.pp, pipe.virtual)
         self.par, self.cfg, self.model, self.objective, self.pipe = par, cfg, model, objective, pipe
         self._output_axes = output_axes(model)
-        self._head_inputs = tuple(getattr(model, "HEAD_INPUTS", ()))
+        self._head_inputs = model.HEAD_INPUTS
         self._objective_now = objective  # what ``_loss_fn`` takes (eval may ask for another)
         self._target_keys: list[tuple[str, torch.dtype]] = []  # what the packed target holds, in order
-        self.update, self.device = Update(hyper, decay, clip_grad, sign_rates), device
+        self.update, self.device = Update(optimizer, decay, clip_grad, sign_rates), device
         self.flat = tree.leaves(params)
         self.compiled = compile
         self.compiled_stages = compile and pipe.schedule not in SPLIT_BACKWARD

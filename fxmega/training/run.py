@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from fxmega.compiler import overlap
 from fxmega.config import RunConfig
 from fxmega.core import precision, tree
 from fxmega.core.device import pick_device, set_deterministic
@@ -22,16 +23,16 @@ from fxmega.inference.generate import sample_text
 from fxmega.inference.generate_parallel import generate_on_mesh
 from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq, is_encoder_decoder
 from fxmega.models import loss_by_pieces, model_for
-from fxmega.models.registry import ModelFamily
+from fxmega.models.family import ModelFamily
 from fxmega.ops import aux_loss, kernels, recompute, tied_embedding_grad
 from fxmega.ops.init import init_params
-from fxmega.compiler import overlap
+from fxmega.optim.optimizer import init_state, optimizer_for
 from fxmega.parallel.runtime import Parallel
 from fxmega.storage import checkpoint, run_state
 from fxmega.training import faults
 from fxmega.training.checks import check_run
 from fxmega.training.evaluate import mean_loss, micro_sums, my_step_input, one_device_loss_sum, to_device
-from fxmega.training.optim import AdamWHyper, adamw_init, decay_mask
+from fxmega.training.optim import decay_mask
 from fxmega.training.outcome import Pending, settle
 from fxmega.training.pipeline_step import PipelineStep
 from fxmega.training.schedules import lr_at
@@ -79,16 +80,18 @@ class Run:
         # the parameters this process holds: all of them, or its pipeline stages' (global paths)
         self.local_specs = self.specs if parallel is None else parallel.specs
         self.pipelined = parallel is not None and parallel.plan.pipeline is not None
-        hyper = AdamWHyper(cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps, cfg.optim.weight_decay)
+        self.optimizer = optimizer = optimizer_for(cfg.optim)
         decay = decay_mask(self.local_specs, cfg.optim.decay_embeddings)
         sign_rates = tuple(s.sign_rate for s in tree.leaves(self.local_specs))  # MoE expert biases: see Update
         if parallel is None:
             params = trainable(init_params(self.specs, t.seed, self.device))
-            opt_state = adamw_init(tree.leaves(params))
+            leaves = tree.leaves(params)
+            opt_state = init_state(optimizer, lambda dtype: [torch.zeros_like(p, dtype=dtype) for p in leaves],
+                                   self.device)
             loss_sum = one_device_loss_sum(self.specs, cfg.model, cfg.compute, self.model)
         else:
             params = parallel.shards.init_params(t.seed, self.device)
-            opt_state = parallel.init_opt_state(self.device)
+            opt_state = parallel.init_opt_state(optimizer, self.device)
             loss_sum = parallel.loss_sum_fn(loss_by_pieces(cfg.model, parallel.compute, self.model))
         if self.pipelined:  # PipelineStage registers the stage's parameters as nn.Parameters (same storage)
             params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), params)
@@ -105,20 +108,20 @@ class Run:
             options |= overlap.inductor_options(cfg.parallel)
         if t.cuda_graphs:  # the state lives at fixed addresses, so the captured graphs update it in place
             options["triton.cudagraphs"] = True
-            for tensor in [*tree.leaves(params), opt_state["step"], *opt_state["exp_avg"], *opt_state["exp_avg_sq"]]:
+            for tensor in [*tree.leaves(params), *tree.leaves(opt_state)]:
                 torch._dynamo.mark_static_address(tensor)
         # a mixture of experts reports its routers' statistics through the step (aux_loss.measure)
-        meter_size = len(aux_loss.ROUTER_STATS) if getattr(self.model, "ROUTER_METER", False) else 0
+        meter_size = len(aux_loss.ROUTER_STATS) if self.model.ROUTER_METER else 0
         if self.pipelined:
             self.train_step = PipelineStep(parallel, cfg.model, self.model, self.model.objective(cfg.model),
-                                           self.params, decay, hyper,
+                                           self.params, decay, optimizer,
                                            cfg.optim.clip_grad, cfg.grad_accum_steps(data_size), t.compile,
                                            self.device, backend=t.compile_backend, options=options,
                                            sign_rates=sign_rates, meter_size=meter_size)
             self.eval_step = None
         else:
             self.loss_sum = loss_sum  # (flat params, batch) -> summed loss: what the steps differentiate
-            self.train_step = TrainStep(loss_sum, decay, hyper, cfg.optim.clip_grad, compile=t.compile,
+            self.train_step = TrainStep(loss_sum, decay, optimizer, cfg.optim.clip_grad, compile=t.compile,
                                         parallel=parallel, backend=t.compile_backend, options=options,
                                         sign_rates=sign_rates, meter_size=meter_size,
                                         gather_params_first=cfg.parallel.overlap_param_gather)

@@ -12,6 +12,7 @@ import math
 import os
 from typing import Any
 
+from fxmega.config import RunConfig
 from fxmega.core.errors import ConfigError
 
 
@@ -68,7 +69,7 @@ class MlflowSink:
         self._mlflow.end_run()
 
 
-def sinks(cfg: Any, config: dict) -> list:
+def sinks(cfg: RunConfig, config: dict) -> list:
     t, out = cfg.train, []
     if t.wandb_project:
         out.append(WandbSink(t.wandb_project, cfg.name, config, t.tracking_dir))

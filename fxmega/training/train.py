@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from fxmega.config import RunConfig, to_dict
 from fxmega.compiler.kernel_dump import dump_kernels
+from fxmega.config import RunConfig, to_dict
 from fxmega.core.log import get_logger
 from fxmega.core.memory import peak_bytes, reset_peak
 from fxmega.models import family_name

@@ -16,20 +16,21 @@ from dataclasses import dataclass
 
 import torch
 
+from fxmega.optim.optimizer import Optimizer
 from fxmega.parallel.runtime import Parallel
-from fxmega.training.optim import AdamWHyper, adamw_update, clip_by_global_norm_, per_tensor_norms, sign_update_
+from fxmega.training.optim import clip_by_global_norm_, per_tensor_norms, sign_update_
 
 Grads = list[torch.Tensor]
 
 
 @dataclass(frozen=True)
 class Update:
-    """AdamW with its hyper-parameters, weight-decay mask (per flat parameter) and the
-    global-norm clip (0: none). ``sign_rates`` (per flat parameter, empty: all 0): a
+    """The optimizer (``fxmega.optim``: AdamW by default), the weight-decay mask (per flat
+    parameter) and the global-norm clip (0: none). ``sign_rates`` (per flat parameter, empty: all 0): a
     parameter with a rate is not trained by AdamW; its gradient is a load count, out of the
     norm, and ``optim.sign_update_`` moves it (``ParamSpec.sign_rate``)."""
 
-    hyper: AdamWHyper
+    optimizer: Optimizer
     decay: list[bool]
     clip_grad: float
     sign_rates: tuple[float, ...] = ()
@@ -63,14 +64,13 @@ class Update:
             rates = [self.sign_rates[i] if self.sign_rates else 0.0 for i in owners]
             counted = [k for k, rate in enumerate(rates) if rate]
             loads = [grads[k] for k in counted]
-            if counted:  # AdamW sees zeros there: its moments and the parameter stay put
+            if counted:  # the optimizer sees zeros there: its state and the parameter stay put
                 grads = [torch.zeros_like(g) if k in counted else g for k, g in enumerate(grads)]
             norms = per_tensor_norms(grads)
             grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights,
                                              parallel.groups.sum_over_world if parallel is not None else None, norms)
             finite = torch.isfinite(grad_norm)  # not finite anywhere: the update is not applied
-            adamw_update(targets, grads, opt_state, lr, self.hyper, [self.decay[i] for i in owners],
-                         apply=finite.float())
+            self.optimizer.update(targets, grads, opt_state, lr, [self.decay[i] for i in owners], finite.float())
             sign_update_([targets[k] for k in counted], loads, [rates[k] for k in counted], finite.float())
             if parallel is not None and self.refresh:
                 parallel.grads.refresh_params(flat, targets)
