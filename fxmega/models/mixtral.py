@@ -146,7 +146,7 @@ def feed_forward(p: dict, h: torch.Tensor, cfg: Config, valid: torch.Tensor | No
         return y
     shared = llama.mlp(p["moe"]["shared"], h)
     if "shared_gate" in p["moe"]:  # Qwen2-MoE: how much of the shared experts each token takes
-        shared = shared * torch.sigmoid(h @ p["moe"]["shared_gate"])
+        shared = shared * torch.sigmoid(layers.linear(h, p["moe"]["shared_gate"]))
     return y + shared
 
 

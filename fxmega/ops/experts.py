@@ -26,6 +26,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from fxmega.ops import matmul as matmul_hook
+
 
 class ExpertOutput(NamedTuple):
     """The combined output ``[T, d]`` and how many (token, expert) pairs were dropped
@@ -48,10 +50,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, group_of_row: torch.Tensor, end
     """``x [N, a]`` whose rows are sorted by group, times ``w [E, a, b]``: row ``i`` times
     ``w[group_of_row[i]]``. ``ends [E]`` (int32) is where each group's rows end."""
     if _grouped_mm_available(x):
-        return torch._grouped_mm(x, w, offs=ends)
+        return matmul_hook.grouped_mm(x, w, ends)
     out = x.new_zeros(x.shape[0], w.shape[-1])
     for e in range(w.shape[0]):  # see the module docstring: every expert on every row, kept where it is the row's
-        out = torch.where((group_of_row == e).unsqueeze(-1), x @ w[e], out)
+        out = torch.where((group_of_row == e).unsqueeze(-1), matmul_hook.matmul(x, w[e], "expert"), out)
     return out
 
 
@@ -136,7 +138,7 @@ def capacity_combine(y: torch.Tensor, dispatch: Dispatch, tokens: int) -> torch.
 def stacked_swiglu(buffers: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                    w_down: torch.Tensor) -> torch.Tensor:
     """Each expert's SwiGLU on its own buffer: ``buffers [E, rows, d]`` -> ``[E, rows, d]``."""
-    return _swiglu(buffers, w_gate, w_up, w_down, torch.bmm)
+    return _swiglu(buffers, w_gate, w_up, w_down, lambda x, w: matmul_hook.matmul(x, w, "expert"))
 
 
 def with_capacity(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w_gate: torch.Tensor,

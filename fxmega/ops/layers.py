@@ -19,13 +19,15 @@ from einops import rearrange
 
 from fxmega.core.errors import ConfigError
 from fxmega.ops import kernels
+from fxmega.ops.matmul import matmul
 from fxmega.ops.rope import Rope, apply_rope
 from fxmega.sharding.layout import ContextParallelism, active, context_parallelism, local, shard
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w + b`` with ``w`` laid out ``[in, out]``."""
-    y = torch.matmul(x, w)
+    """``x @ w + b`` with ``w`` laid out ``[in, out]`` (the matmul: ``ops.matmul``, which a
+    precision recipe may replace)."""
+    y = matmul(x, w)
     return y if b is None else y + b
 
 
@@ -34,7 +36,8 @@ def project_to_heads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = 
 
     Column-parallel in Megatron's terms when heads are split.
     """
-    y = torch.tensordot(x, w, dims=([-1], [0]))
+    # tensordot's own lowering (flatten the output dims, one matmul), through the hook
+    y = matmul(x, w.reshape(w.shape[0], -1)).reshape(*x.shape[:-1], *w.shape[1:])
     return y if b is None else y + b
 
 
@@ -44,7 +47,8 @@ def project_from_heads(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None 
     Row-parallel in Megatron's terms when heads are split: the result is a partial sum
     until the caller's ``shard`` reduces it.
     """
-    y = torch.tensordot(x, w, dims=([-2, -1], [0, 1]))
+    # tensordot's own lowering (flatten the contracted dims, one matmul), through the hook
+    y = matmul(x.reshape(*x.shape[:-2], -1), w.reshape(-1, w.shape[-1]))
     return y if b is None else y + b
 
 

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from fxmega.core.errors import ConfigError
 from fxmega.ops import kernels
+from fxmega.ops.matmul import matmul
 from fxmega.ops.phases import backward_phase
 
 
@@ -58,15 +59,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(w.shape, device=w.device, dtype=torch.float32) if need_grad else None
         for start in range(0, h.shape[0], chunk):
             hc = h[start:start + chunk]
-            loss, dlogits = rows(hc @ w, targets[start:start + chunk], vocab_size)
+            loss, dlogits = rows(matmul(hc, w, "head"), targets[start:start + chunk], vocab_size)
             if mask is not None:
                 m = mask[start:start + chunk]
                 loss = loss * m
                 dlogits = dlogits * m[:, None].to(dlogits.dtype)
             total = total + loss.sum()
             if need_grad:
-                grad_h[start:start + chunk] = dlogits @ w.t()
-                grad_w += (hc.t() @ dlogits).float()
+                grad_h[start:start + chunk] = matmul(dlogits, w.t(), "head")
+                grad_w += matmul(hc.t(), dlogits, "head").float()
         if need_grad:
             ctx.save_for_backward(grad_h, grad_w.to(w.dtype))
         return total

@@ -19,6 +19,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from fxmega.ops.matmul import matmul
+
 SCORES = ("softmax", "sigmoid")
 
 
@@ -50,7 +52,7 @@ def route(x: torch.Tensor, w_router: torch.Tensor, router: RouterSettings, bias:
     has ``expert_bias``) shifts the selection, never the weights."""
     # at least fp32: the choice of experts should not hinge on bf16 rounding
     dtype = torch.promote_types(x.dtype, torch.float32)
-    logits = x.to(dtype) @ w_router.to(dtype)
+    logits = matmul(x.to(dtype), w_router.to(dtype), "router")
     probs = logits.softmax(-1) if router.score == "softmax" else logits.sigmoid()
     choice = probs if bias is None else probs + bias.to(dtype)
     if router.n_groups > 1:
