@@ -41,6 +41,7 @@ from fxmega.planning.report import parse_bytes, plan_report
 from fxmega.planning.summary import summary
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.storage import checkpoint, convert
+from fxmega.storage.checkpoint_files import read_meta
 from fxmega.storage.orbax_io import from_orbax, to_orbax
 from fxmega.training.evaluate import evaluate_checkpoint, report
 from fxmega.training.finetune import finetune
@@ -80,9 +81,10 @@ def finetune_config(args: argparse.Namespace) -> RunConfig:
     later, by the fine-tuning run."""
     cfg = _config(args)
     path = flag(args, "--load")
-    if not path or checkpoint.resolve(path) is None:
+    found = checkpoint.resolve(path) if path else None
+    if found is None:
         return cfg
-    found, meta = recorded(path)
+    meta = read_meta(found)
     if "model" not in (meta.get("config") or {}):  # written before checkpoints described themselves
         return cfg
     cfg = dataclasses.replace(cfg, model=recorded_config(found, meta).model)
