@@ -39,7 +39,7 @@ LAYERS = {
                  "inference.generate_parallel inference.code_exec",
     "training": "training training.optim training.update training.schedules training.metrics training.step "
                 "training.pipeline_step training.evaluate training.faults training.heartbeat training.logs "
-                "training.tracking training.state training.outcome training.checks training.interrupt training.run "
+                "training.tracking training.state training.outcome training.checks training.interrupt training.reference training.run "
                 "training.train "
                 "training.finetune",
     "serving": "inference.serve inference.serve_mesh inference.generation_cli inference.chat "

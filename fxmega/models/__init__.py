@@ -14,7 +14,7 @@ from fxmega.models import bert, gpt, llama, mixtral, registry, t5
 from fxmega.models.family import ModelFamily
 from fxmega.models.pieces import PieceCall, embed_inputs, head_inputs, run_pieces, top
 from fxmega.ops import losses, recompute
-from fxmega.ops.objectives import Objective
+from fxmega.ops.objectives import REFERENCE_OUTPUTS, Objective
 
 for _family in (gpt, llama, bert, mixtral, t5):
     registry.register(_family.FAMILY)
@@ -43,18 +43,20 @@ def head_loss_sum(model: ModelFamily) -> Callable[..., torch.Tensor]:
 
 
 def loss_by_pieces(cfg: object, compute: ComputeConfig | None = None, model: ModelFamily | None = None,
-                   objective: Objective | None = None) -> Callable[[dict, dict, PieceCall, dict], torch.Tensor]:
+                   objective: Objective | None = None,
+                   reference: dict | None = None) -> Callable[[dict, dict, PieceCall, dict], torch.Tensor]:
     """``lm_loss_sum`` for ``cfg`` as a function of ``(params, batch, call, layouts)``: what a
-    sharding runtime runs without knowing the model (``Parallel.loss_sum_fn``)."""
+    sharding runtime runs without knowing the model (``Parallel.loss_sum_fn``). ``reference``
+    is the frozen model's tree of this rank's shards, laid out as ``params`` are."""
     def run(params: dict, batch: dict, call: PieceCall, layouts: dict) -> torch.Tensor:
         return lm_loss_sum(params, batch, cfg, call=call, layouts=layouts, compute=compute, model=model,
-                           objective=objective)
+                           objective=objective, reference=reference)
     return run
 
 
 def lm_loss_sum(params: dict, batch: dict[str, torch.Tensor], cfg: object, call: PieceCall | None = None,
                 layouts: dict | None = None, compute: ComputeConfig | None = None, model: ModelFamily | None = None,
-                objective: Objective | None = None) -> torch.Tensor:
+                objective: Objective | None = None, reference: dict | None = None) -> torch.Tensor:
     """An objective summed over ``batch``: the model run piece by piece (``run_pieces``: the
     embedding with the family's ``EMBED_INPUTS`` from the batch, every block with the batch's
     ``attention_mask``, the head with its ``HEAD_INPUTS``), then the objective on the head's
@@ -64,17 +66,35 @@ def lm_loss_sum(params: dict, batch: dict[str, torch.Tensor], cfg: object, call:
 
     ``call`` runs each piece (``Parallel._call`` on a mesh; ``recompute.plain_call`` when
     None); ``compute`` (a ``ComputeConfig``) adds block recompute and the chunked loss
-    (``loss_chunk``: the head and the cross-entropy a chunk of tokens at a time)."""
+    (``loss_chunk``: the head and the cross-entropy a chunk of tokens at a time).
+
+    An objective that ``reads_reference`` gets the same pieces' outputs from ``reference`` (a
+    frozen tree shaped and laid out as ``params``) under ``batch[REFERENCE_OUTPUTS]``,
+    computed without gradient: the same casts, gathers and layouts as the trained model's."""
     model = model if model is not None else model_for(cfg)
     objective = objective if objective is not None else model.objective(cfg)
     if call is None:
         call, layouts = recompute.plain_call, params
-    inputs = embed_inputs(model, batch)
-    x = run_pieces(model, params, layouts, batch["inputs"], cfg, call, head=False, inputs=inputs,
+    x = run_pieces(model, params, layouts, batch["inputs"], cfg, call, head=False, inputs=embed_inputs(model, batch),
                    valid=batch.get("attention_mask"), positions=batch.get("positions"), compute=compute)
     head_params, head_layouts = top(model.HEAD_PARAMS, params), top(model.HEAD_PARAMS, layouts)
     if compute is not None and compute.loss_chunk:
         return call(head_loss_sum(model), head_params, head_layouts, x, cfg, batch["targets"],
                     batch.get("loss_mask"), compute.loss_chunk)
+    if objective.reads_reference:
+        if reference is None:
+            raise ValueError(f"the {objective.name} objective reads a reference model's outputs: pass reference=")
+        with torch.no_grad():  # frozen: nothing of it is differentiated
+            # one device's plain call reads no layouts; a mesh's are the same for both trees
+            batch = {**batch, REFERENCE_OUTPUTS: outputs(model, reference, reference if layouts is params else layouts,
+                                                         batch, cfg, call, compute)}
     loss_sum, _ = objective(call(model.head, head_params, head_layouts, x, cfg, *head_inputs(model, batch)), batch)
     return loss_sum
+
+
+def outputs(model: ModelFamily, params: dict, layouts: dict, batch: dict[str, torch.Tensor], cfg: object,
+            call: PieceCall, compute: ComputeConfig | None = None) -> torch.Tensor:
+    """The head's outputs for ``batch`` (logits; vocab-parallel under tp), piece by piece."""
+    return run_pieces(model, params, layouts, batch["inputs"], cfg, call, inputs=embed_inputs(model, batch),
+                      valid=batch.get("attention_mask"), positions=batch.get("positions"), compute=compute,
+                      head_inputs=head_inputs(model, batch))

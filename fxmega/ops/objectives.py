@@ -7,7 +7,10 @@ device, across data ranks, across micro batches and on a pipeline's last stage, 
 never depends on how the batch was split.
 
 ``batch_keys`` names what the objective reads from the batch besides the model's outputs;
-a pipeline carries exactly those to its last stage. A term is counted when its
+a pipeline carries exactly those to its last stage. An objective that ``reads_reference``
+(DPO's, a distillation's) also finds a frozen second model's outputs for the same batch
+under ``batch[REFERENCE_OUTPUTS]``, laid out as ``outputs`` are (vocab-parallel under tp);
+the run computes them without gradient (``fxmega.training.reference``). A term is counted when its
 ``loss_mask`` is non-zero (every target when the batch has no mask): padding, unmasked
 MLM positions and padded classification rows are out of both the sum and the count.
 """
@@ -23,6 +26,7 @@ import torch
 from fxmega.ops import layers
 
 Batch = Mapping[str, torch.Tensor]
+REFERENCE_OUTPUTS = "reference_outputs"  # the batch key of the frozen reference model's outputs
 
 
 class Objective(Protocol):
@@ -31,6 +35,7 @@ class Objective(Protocol):
     name: str
     batch_keys: tuple[str, ...]
     sum_shape: tuple[int, ...]  # the shape of the sum it returns: () for a loss
+    reads_reference: bool  # True: it reads batch[REFERENCE_OUTPUTS], a frozen model's outputs
 
     def __call__(self, outputs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -61,6 +66,7 @@ class CrossEntropy:
     class_axis: str = "vocab"  # the logical name of the logits' last dim
     batch_keys: tuple[str, ...] = ("targets", "loss_mask")
     sum_shape: tuple[int, ...] = ()
+    reads_reference: bool = False
 
     def __call__(self, outputs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         loss = layers.cross_entropy_sum(outputs, batch["targets"], batch.get("loss_mask"), self.n_classes,
@@ -77,6 +83,7 @@ class LossAndCorrect:
     n_classes: int
     batch_keys: tuple[str, ...] = ("targets", "loss_mask")
     sum_shape: tuple[int, ...] = (2,)
+    reads_reference: bool = False
 
     def __call__(self, outputs: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         loss, n = CrossEntropy(self.name, self.n_classes, "classes")(outputs, batch)

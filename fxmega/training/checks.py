@@ -17,6 +17,7 @@ from fxmega.core.errors import ConfigError
 from fxmega.models import family_name
 from fxmega.models.family import ModelFamily
 from fxmega.ops import kernels
+from fxmega.ops.objectives import Objective
 from fxmega.optim.optimizer import optimizer_for
 from fxmega.parallel.distributed import checked_plan
 from fxmega.sharding.mesh import MeshSpec
@@ -96,3 +97,24 @@ def check_compute(cfg: RunConfig, plan: ShardingPlan | None, device: torch.devic
     if plan.pipeline is not None:
         raise ConfigError("compute.loss_chunk is not supported with pipeline parallelism yet (the last stage "
                           "computes the loss from whole logits): set compute.loss_chunk=0")
+
+
+def check_reference(cfg: RunConfig, plan: ShardingPlan | None, objective: Objective, reference: str | None) -> None:
+    """Refuse a frozen reference model (``training.reference``) where it cannot work: an
+    objective that reads one without it, one given to an objective that does not read it
+    (memory for nothing), and the paths that do not compute its outputs yet."""
+    if objective.reads_reference and reference is None:
+        raise ConfigError(f"the {objective.name} objective reads a reference model's outputs: give the run a "
+                          f"checkpoint of it (Run(..., reference=CKPT))")
+    if reference is None:
+        return
+    if not objective.reads_reference:
+        raise ConfigError(f"a reference model ({reference}) was given, but the {objective.name} objective does not "
+                          f"read one: it would only take memory; drop it or use an objective that reads it")
+    if cfg.compute.loss_chunk:
+        raise ConfigError(f"compute.loss_chunk={cfg.compute.loss_chunk} computes the cross-entropy a chunk at a time "
+                          f"without whole outputs, which the {objective.name} objective compares with the reference "
+                          f"model's: set compute.loss_chunk=0")
+    if plan is not None and plan.pipeline is not None:
+        raise ConfigError(f"a reference model is not supported with pipeline parallelism yet (its forward would need "
+                          f"its own pass through the stages' schedule): run {objective.name} on a mesh without pp")

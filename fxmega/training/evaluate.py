@@ -73,16 +73,19 @@ def my_micro_batches(batch: Batch, micro: int, parallel: Parallel | None, device
 
 
 def one_device_loss_sum(specs: dict, model_cfg: ModelConfig, compute: ComputeConfig | None,
-                        model: ModelFamily | None = None,
-                        objective: Objective | None = None) -> LossSumFn:
+                        model: ModelFamily | None = None, objective: Objective | None = None,
+                        reference: dict | None = None) -> LossSumFn:
     """The objective's summed loss over a batch on one device, from the flat fp32 parameters:
     cast to the compute dtype (autograd casts the gradients back), run piece by piece.
-    ``model`` and ``objective`` default to the config's family and its objective."""
+    ``model`` and ``objective`` default to the config's family and its objective;
+    ``reference`` is a frozen tree an objective may read (``training.reference``), cast alike."""
     dtype = precision.compute_dtype(compute.precision)
 
     def loss_sum(flat: list[torch.Tensor], batch: Batch) -> torch.Tensor:
+        frozen = None if reference is None else \
+            tree.unflatten_like(specs, precision.cast(tree.leaves(reference), dtype))
         return lm_loss_sum(tree.unflatten_like(specs, precision.cast(flat, dtype)), batch, model_cfg, compute=compute,
-                           model=model, objective=objective)
+                           model=model, objective=objective, reference=frozen)
     return loss_sum
 
 

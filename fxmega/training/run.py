@@ -25,16 +25,18 @@ from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq,
 from fxmega.models import loss_by_pieces, model_for
 from fxmega.models.family import ModelFamily
 from fxmega.ops import aux_loss, kernels, recompute, tied_embedding_grad
+from fxmega.ops.objectives import Objective
 from fxmega.ops.init import init_params
 from fxmega.optim.optimizer import init_state, optimizer_for
 from fxmega.parallel.runtime import Parallel
 from fxmega.storage import checkpoint, run_state
 from fxmega.training import faults
-from fxmega.training.checks import check_run
+from fxmega.training.checks import check_reference, check_run
 from fxmega.training.evaluate import mean_loss, micro_sums, my_step_input, one_device_loss_sum, to_device
 from fxmega.training.optim import decay_mask
 from fxmega.training.outcome import Pending, settle
 from fxmega.training.pipeline_step import PipelineStep
+from fxmega.training.reference import load_reference
 from fxmega.training.schedules import lr_at
 from fxmega.training.state import TrainState
 from fxmega.training.step import EvalStep, TrainStep, trainable
@@ -63,16 +65,21 @@ class Run:
 
     ``model`` and ``data`` default to the config's family and its objective's token data;
     fine-tuning (``training.finetune``) passes a classifier and labelled rows instead, and
-    trains through the same steps."""
+    trains through the same steps. ``objective`` defaults to the family's; one that
+    ``reads_reference`` reads the outputs of ``reference``, a checkpoint loaded as a frozen
+    second tree under the same plan (``training.reference``)."""
 
     def __init__(self, cfg: RunConfig, parallel: Parallel | None = None, device: torch.device | None = None,
-                 model: ModelFamily | None = None, data: Data | None = None) -> None:
+                 model: ModelFamily | None = None, data: Data | None = None, objective: Objective | None = None,
+                 reference: str | None = None) -> None:
         self.parallel = parallel
         data_size = parallel.groups.data_size if parallel is not None else 1
         t = cfg.train
         self.device = device or pick_device(t.device)
         self.model = model if model is not None else model_for(cfg.model)
         self.cfg = check_run(cfg, None if parallel is None else parallel.plan, self.device, self.model)
+        self.objective = objective if objective is not None else self.model.objective(cfg.model)
+        check_reference(cfg, None if parallel is None else parallel.plan, self.objective, reference)
         if t.deterministic:
             set_deterministic()
         self.compute_dtype = precision.compute_dtype(cfg.compute.precision)
@@ -88,11 +95,18 @@ class Run:
             leaves = tree.leaves(params)
             opt_state = init_state(optimizer, lambda dtype: [torch.zeros_like(p, dtype=dtype) for p in leaves],
                                    self.device)
-            loss_sum = one_device_loss_sum(self.specs, cfg.model, cfg.compute, self.model)
         else:
             params = parallel.shards.init_params(t.seed, self.device)
             opt_state = parallel.init_opt_state(optimizer, self.device)
-            loss_sum = parallel.loss_sum_fn(loss_by_pieces(cfg.model, parallel.compute, self.model))
+        # the frozen second tree (None without one): this rank's shards, laid out as ``params``
+        self.reference = None if reference is None else \
+            load_reference(reference, params, self.specs, self.local_specs, parallel)
+        if parallel is None:
+            loss_sum = one_device_loss_sum(self.specs, cfg.model, cfg.compute, self.model, self.objective,
+                                           self.reference)
+        else:
+            loss_sum = parallel.loss_sum_fn(loss_by_pieces(cfg.model, parallel.compute, self.model, self.objective,
+                                                           self.reference))
         if self.pipelined:  # PipelineStage registers the stage's parameters as nn.Parameters (same storage)
             params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), params)
         self.state = TrainState(params, opt_state, scaler=precision.scaler_for(cfg.compute, self.device))
@@ -113,7 +127,7 @@ class Run:
         # a mixture of experts reports its routers' statistics through the step (aux_loss.measure)
         meter_size = len(aux_loss.ROUTER_STATS) if self.model.ROUTER_METER else 0
         if self.pipelined:
-            self.train_step = PipelineStep(parallel, cfg.model, self.model, self.model.objective(cfg.model),
+            self.train_step = PipelineStep(parallel, cfg.model, self.model, self.objective,
                                            self.params, decay, optimizer,
                                            cfg.optim.clip_grad, cfg.grad_accum_steps(data_size), t.compile,
                                            self.device, backend=t.compile_backend, options=options,
