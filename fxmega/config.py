@@ -78,7 +78,7 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    optimizer: str = "adamw"  # fxmega.optim's registry: adamw
+    optimizer: str = "adamw"  # fxmega.optim's registry: adamw | muon
     lr: float = 6e-4
     min_lr: float = 0.0
     schedule: str = "cosine"  # constant | linear | cosine | wsd | inverse-sqrt
@@ -92,6 +92,10 @@ class OptimConfig:
     eps: float = 1e-8
     clip_grad: float = 1.0  # max global gradient norm; 0 disables clipping
     decay_embeddings: bool = False  # weight-decay the embedding tables too
+    # Muon (optimizer=muon: the hidden matrices; AdamW above for the rest, at the same lr)
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_ns_steps: int = 5  # Newton-Schulz iterations
 
 
 @dataclass(frozen=True)
@@ -350,6 +354,8 @@ def _validate(cfg: RunConfig, dp: int | None) -> None:
         _require(getattr(o, name) >= 0, f"optim.{name}={getattr(o, name)} must be zero or positive")
     _require(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optim.beta1={o.beta1}, optim.beta2={o.beta2} must be in [0, 1)")
     _require(o.eps > 0, f"optim.eps={o.eps} must be positive")
+    _require(0 <= o.muon_momentum < 1, f"optim.muon_momentum={o.muon_momentum} must be in [0, 1)")
+    _require(o.muon_ns_steps >= 1, f"optim.muon_ns_steps={o.muon_ns_steps} must be at least 1")
     _require(o.weight_decay >= 0 and o.clip_grad >= 0, "optim.weight_decay and optim.clip_grad must not be negative")
     _require(0 < d.valid_fraction < 1, f"data.valid_fraction={d.valid_fraction} must be between 0 and 1")
     _require(d.task in DATA_TASKS, f"data.task={d.task!r}: use one of {', '.join(DATA_TASKS)}")

@@ -27,7 +27,7 @@ LAYERS = {
             "data.doc_questions "
             "data.preprocess data.sources data.tokenizer data.vocab_files data.prefetch",
     "config": "config",
-    "optimizers": "optim optim.optimizer optim.adamw",
+    "optimizers": "optim optim.matrices optim.optimizer optim.adamw optim.muon",
     "distributed runtime": "parallel parallel.strategy parallel.collectives parallel.groups parallel.ring_attention "
                            "parallel.context parallel.activation_layouts parallel.param_shards parallel.flat_optimizer "
                            "parallel.grad_sync parallel.zero3 parallel.runtime parallel.distributed",

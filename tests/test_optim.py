@@ -28,9 +28,10 @@ class Momentum:
 
     beta: float = 0.9
     name: str = "momentum"
+    whole_matrices: bool = False
     state: tuple[StateSpec, ...] = (StateSpec("momentum"),)
 
-    def update(self, params, grads, state, lr, decay, apply) -> None:
+    def update(self, params, grads, state, lr, roles, apply) -> None:
         state["step"].add_(apply)
         buffers = state["momentum"]
         # skipped (apply 0): the buffer and the parameter stay as they were

@@ -6,7 +6,7 @@ the save to step 4 (validating again), and generates from the checkpoint on the 
 Its logged losses, gradient norms and validation losses equal the one-device run's (the same
 seed and global batch, eager) within the summation-order bound of ``tests.tolerance.run_rtol``.
 
-``make test`` runs the five riskiest cases (ZeRO-3, tp+sp, 1F1B, ring cp, ep); ``make e2e``
+``make test`` runs the six riskiest cases (ZeRO-3, tp+sp, 1F1B, ring cp, ep, Muon on dp); ``make e2e``
 (``pytest --e2e``) runs all of them.
 """
 
@@ -24,6 +24,7 @@ from tests.tolerance import run_rtol
 
 TINY_GPT, TINY_MOE = str(ROOT / "configs" / "tiny_gpt.py"), str(ROOT / "configs" / "tiny_moe.py")
 FOUR_BLOCKS = ("--set", "model.n_layers=4")  # two pipeline stages of two virtual stages each
+MUON = ("--optimizer", "muon")
 # name -> (config, the model's changes (the one-device run makes them too), the mesh's flags)
 CASES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "dp": (TINY_GPT, (), ("--mesh", "dp=2", "--micro-batch-size", "4")),
@@ -49,9 +50,14 @@ CASES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
                                       "--micro-batch-size", "4")),
     # docs/parallelism.md's 8-process command
     "dp_tp_pp": (TINY_GPT, (), ("--mesh", "2x2x2", "--micro-batch-size", "2", "--rules", "zero1")),
+    # Muon on the layouts that keep each hidden matrix whole (the others are refused)
+    "muon_dp": (TINY_GPT, MUON, ("--mesh", "dp=2", "--micro-batch-size", "4")),
+    "muon_pp": (TINY_GPT, MUON, ("--mesh", "pp=2", "--pipeline-schedule", "1f1b", "--micro-batch-size", "4")),
+    "muon_cp": (TINY_GPT, MUON, ("--mesh", "cp=2", "--cp-attention", "ring")),
+    "muon_ep": (TINY_MOE, MUON, ("--mesh", "dp=2,ep=2")),
 }
 # what CI runs: the ones most likely to break on the way from the library to the command line
-RISKIEST = ("zero3", "tp_sp", "pp_1f1b", "cp_ring", "ep")
+RISKIEST = ("zero3", "tp_sp", "pp_1f1b", "cp_ring", "ep", "muon_dp")
 STEPS, FIRST = 4, 2
 # a schedule of 4 steps whichever --steps a run stops at, so that the resumed run continues it
 SCHEDULE = ("--lr-decay-iters", str(STEPS), "--log-interval", "1", "--eval-interval", str(FIRST), "--no-progress")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from fxmega.config import OptimConfig
-from fxmega.optim.optimizer import StateSpec, init_state
+from fxmega.optim.optimizer import ParamRole, StateSpec, init_state
 
 
 @dataclass(frozen=True)
@@ -77,11 +77,12 @@ class AdamW:
 
     hyper: AdamWHyper
     name: str = "adamw"
+    whole_matrices: bool = False
     state: tuple[StateSpec, ...] = (StateSpec("exp_avg"), StateSpec("exp_avg_sq"))
 
     def update(self, params: list[torch.Tensor], grads: list[torch.Tensor], state: dict, lr: torch.Tensor,
-               decay: list[bool], apply: torch.Tensor) -> None:
-        adamw_update(params, grads, state, lr, self.hyper, decay, apply)
+               roles: list[ParamRole], apply: torch.Tensor) -> None:
+        adamw_update(params, grads, state, lr, self.hyper, [r.decay for r in roles], apply)
 
 
 def from_config(cfg: OptimConfig) -> AdamW:

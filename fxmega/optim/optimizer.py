@@ -6,8 +6,9 @@ An optimizer declares its state and updates in place:
   parameter and laid out as the parameter's optimizer shard (``ParamLayout.local_shape
   ("opt")``: ZeRO and the distributed optimizer shard it, the memory tables count its bytes,
   checkpoints save it under ``opt.<name>.<parameter>``), plus a step count;
-- ``update(params, grads, state, lr, decay, apply)``: one step over lists of this rank's
-  tensors, writing the new values into ``params`` and ``state`` (donated, as
+- ``update(params, grads, state, lr, roles, apply)``: one step over lists of this rank's
+  tensors (``roles``: what each one is, ``ParamRole``), writing the new values into
+  ``params`` and ``state`` (donated, as
   ``jax.jit(..., donate_argnums)`` does), with ``apply`` (0-dim 0./1.) making it a no-op
   without a branch (the skip of a non-finite step).
 
@@ -25,6 +26,7 @@ import torch
 
 from fxmega.config import OptimConfig
 from fxmega.core.errors import ConfigError
+from fxmega.optim.matrices import MatrixView
 
 
 @dataclass(frozen=True)
@@ -36,12 +38,25 @@ class StateSpec:
     dtype: torch.dtype = torch.float32
 
 
+@dataclass(frozen=True)
+class ParamRole:
+    """What an optimizer may treat differently in a parameter: whether it takes decoupled
+    weight decay, and how it is a stack of hidden matrices (None: a table, norm or bias).
+    Computed once per parameter from its spec (``fxmega.training.optim.param_roles``)."""
+
+    decay: bool
+    matrix: MatrixView | None = None
+
+
 class Optimizer(Protocol):
     name: str
     state: tuple[StateSpec, ...]
+    # True: the update of a hidden matrix reads the whole matrix (Muon's orthogonalisation),
+    # not element by element; a layout that gives a rank a slice of one is refused
+    whole_matrices: bool
 
     def update(self, params: list[torch.Tensor], grads: list[torch.Tensor], state: dict, lr: torch.Tensor,
-               decay: list[bool], apply: torch.Tensor) -> None: ...
+               roles: list[ParamRole], apply: torch.Tensor) -> None: ...
 
 
 def state_bytes(optimizer: Optimizer) -> int:

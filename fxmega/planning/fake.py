@@ -28,11 +28,11 @@ from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.core.precision import compute_dtype
 from fxmega.models import loss_by_pieces, model_for
-from fxmega.optim.optimizer import Optimizer, optimizer_for
+from fxmega.optim.optimizer import Optimizer, ParamRole, optimizer_for
 from fxmega.parallel.distributed import checked_plan, rank_parallel
 from fxmega.parallel.runtime import Parallel
 from fxmega.sharding.mesh import MeshSpec, build_device_mesh
-from fxmega.training.optim import decay_mask
+from fxmega.training.optim import param_roles
 from fxmega.training.pipeline_step import PipelineStep
 from fxmega.training.step import TrainStep
 
@@ -126,27 +126,27 @@ def trace_rank_step(cfg: RunConfig, par: Parallel) -> RankTrace:
     optimizer = optimizer_for(cfg.optim)
     opt = par.init_opt_state(optimizer, "meta")
     t = cfg.train
-    decay = decay_mask(par.specs, cfg.optim.decay_embeddings)
+    roles = param_roles(par.specs, cfg.optim.decay_embeddings)
     batch = {"inputs": torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta"),
              "targets": torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta")}
     batch = par.local_batch(batch)  # under cp: this rank's chunks and their positions
     with record_collectives() as graphs:
         if par.plan.pipeline is None:
             loss_sum = par.loss_sum_fn(loss_by_pieces(cfg.model, par.compute))
-            step = TrainStep(loss_sum, decay, optimizer, cfg.optim.clip_grad, compile=True, parallel=par,
+            step = TrainStep(loss_sum, roles, optimizer, cfg.optim.clip_grad, compile=True, parallel=par,
                              backend="aot_eager")
             step(params, opt, [batch], 1e-4, n_tokens=torch.tensor(float(batch["targets"].numel())))
         else:
-            _trace_stages(cfg, par, params, decay, optimizer, batch)
+            _trace_stages(cfg, par, params, roles, optimizer, batch)
     return RankTrace(graphs, par.groups.labels(), time.perf_counter() - start)
 
 
-def _trace_stages(cfg: RunConfig, par: Parallel, params: tree.Tree, decay: list, optimizer: Optimizer,
+def _trace_stages(cfg: RunConfig, par: Parallel, params: tree.Tree, roles: list[ParamRole], optimizer: Optimizer,
                   batch: dict) -> None:
     params = tree.map_leaves(lambda p: torch.nn.Parameter(p.detach(), requires_grad=True), params)
     n_micro = max(cfg.grad_accum_steps(par.groups.data_size), par.plan.pipeline.pp)
     model = model_for(cfg.model)
-    step = PipelineStep(par, cfg.model, model, model.objective(cfg.model), params, decay, optimizer,
+    step = PipelineStep(par, cfg.model, model, model.objective(cfg.model), params, roles, optimizer,
                         cfg.optim.clip_grad, n_micro, True, torch.device("meta"), backend="aot_eager")
     first_batch = {**batch, **{k: batch["inputs"] for k in model.EMBED_INPUTS}}  # e.g. BERT's token types
     for stage in step.stages:  # a later stage reads the residual stream in the compute dtype

@@ -23,6 +23,7 @@ from fxmega.models.family import ModelConfig, ModelFamily
 from fxmega.ops import kernels, recompute
 from fxmega.ops.objectives import Objective, global_count
 from fxmega.optim.adamw import AdamW, AdamWHyper
+from fxmega.optim.optimizer import ParamRole
 from fxmega.parallel.runtime import Parallel
 from fxmega.training.pipeline_step import PipelineStep
 from fxmega.training.step import EvalStep, LossSumFn
@@ -121,9 +122,9 @@ def eval_sums(loaded: LoadedModel) -> tuple[Callable[[list[Batch]], torch.Tensor
         # the schedule's forward carries activations between the stages; no update is ever run
         params = tree.map_leaves(lambda p: torch.nn.Parameter(p, requires_grad=True), loaded.params)
         loaded.params = params
-        decay = [False] * len(tree.leaves(params))
+        roles = [ParamRole(decay=False)] * len(tree.leaves(params))
         no_update = AdamW(AdamWHyper())  # evaluation never steps: the stage needs an optimizer only to exist
-        pipe = PipelineStep(par, cfg.model, loaded.model, loaded.model.objective(cfg.model), params, decay,
+        pipe = PipelineStep(par, cfg.model, loaded.model, loaded.model.objective(cfg.model), params, roles,
                             no_update, 0.0, cfg.grad_accum_steps(par.groups.data_size), t.compile, loaded.device,
                             backend=t.compile_backend, options=recompute.inductor_options(False))
         return pipe.eval_sum, True

@@ -10,6 +10,8 @@ import torch
 
 from fxmega.core import tree
 from fxmega.core.spec import ParamSpec
+from fxmega.optim.matrices import matrix_view
+from fxmega.optim.optimizer import ParamRole
 
 
 def decay_mask(specs: tree.Tree, decay_embeddings: bool = False) -> list[bool]:
@@ -23,6 +25,13 @@ def decay_mask(specs: tree.Tree, decay_embeddings: bool = False) -> list[bool]:
         return decay_embeddings or spec.axes[0] not in ("vocab", "position")
 
     return [decays(s) for s in tree.leaves(specs)]
+
+
+def param_roles(specs: tree.Tree, decay_embeddings: bool = False) -> list[ParamRole]:
+    """Each parameter's role for the optimizer, in leaf order: its weight decay
+    (``decay_mask``) and its view as hidden matrices (``fxmega.optim.matrices``)."""
+    return [ParamRole(decay, matrix_view(spec))
+            for decay, spec in zip(decay_mask(specs, decay_embeddings), tree.leaves(specs))]
 
 
 def per_tensor_norms(grads: list[torch.Tensor]) -> torch.Tensor:

@@ -36,7 +36,7 @@ from fxmega.models.family import ModelConfig, ModelFamily
 from fxmega.models.pieces import embed_inputs, output_axes, run_pieces
 from fxmega.ops import aux_loss
 from fxmega.ops.objectives import Objective, global_count
-from fxmega.optim.optimizer import Optimizer
+from fxmega.optim.optimizer import Optimizer, ParamRole
 from fxmega.parallel.runtime import Parallel
 from fxmega.sharding import layout
 from fxmega.sharding.pipeline import SCHEDULES, SPLIT_BACKWARD, Stage, check_microbatches
@@ -72,7 +72,7 @@ class PipelineStep:
     state and metrics), plus ``eval_sum`` for validation."""
 
     def __init__(self, par: Parallel, cfg: ModelConfig, model: ModelFamily, objective: Objective, params: dict,
-                 decay: list[bool],
+                 roles: list[ParamRole],
                  optimizer: Optimizer,
                  clip_grad: float, n_micro: int, compile: bool, device: torch.device,
                  backend: str = "inductor", options: dict | None = None, sign_rates: tuple[float, ...] = (),
@@ -84,7 +84,7 @@ class PipelineStep:
         self._head_inputs = model.HEAD_INPUTS
         self._objective_now = objective  # what ``_loss_fn`` takes (eval may ask for another)
         self._target_keys: list[tuple[str, torch.dtype]] = []  # what the packed target holds, in order
-        self.update, self.device = Update(optimizer, decay, clip_grad, sign_rates), device
+        self.update, self.device = Update(optimizer, roles, clip_grad, sign_rates), device
         self.flat = tree.leaves(params)
         self.compiled = compile
         self.compiled_stages = compile and pipe.schedule not in SPLIT_BACKWARD

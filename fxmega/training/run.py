@@ -33,7 +33,7 @@ from fxmega.storage import checkpoint, run_state
 from fxmega.training import faults
 from fxmega.training.checks import check_reference, check_run
 from fxmega.training.evaluate import mean_loss, micro_sums, my_step_input, one_device_loss_sum, to_device
-from fxmega.training.optim import decay_mask
+from fxmega.training.optim import param_roles
 from fxmega.training.outcome import Pending, settle
 from fxmega.training.pipeline_step import PipelineStep
 from fxmega.training.reference import load_reference
@@ -88,7 +88,7 @@ class Run:
         self.local_specs = self.specs if parallel is None else parallel.specs
         self.pipelined = parallel is not None and parallel.plan.pipeline is not None
         self.optimizer = optimizer = optimizer_for(cfg.optim)
-        decay = decay_mask(self.local_specs, cfg.optim.decay_embeddings)
+        roles = param_roles(self.local_specs, cfg.optim.decay_embeddings)
         sign_rates = tuple(s.sign_rate for s in tree.leaves(self.local_specs))  # MoE expert biases: see Update
         if parallel is None:
             params = trainable(init_params(self.specs, t.seed, self.device))
@@ -128,14 +128,14 @@ class Run:
         meter_size = len(aux_loss.ROUTER_STATS) if self.model.ROUTER_METER else 0
         if self.pipelined:
             self.train_step = PipelineStep(parallel, cfg.model, self.model, self.objective,
-                                           self.params, decay, optimizer,
+                                           self.params, roles, optimizer,
                                            cfg.optim.clip_grad, cfg.grad_accum_steps(data_size), t.compile,
                                            self.device, backend=t.compile_backend, options=options,
                                            sign_rates=sign_rates, meter_size=meter_size)
             self.eval_step = None
         else:
             self.loss_sum = loss_sum  # (flat params, batch) -> summed loss: what the steps differentiate
-            self.train_step = TrainStep(loss_sum, decay, optimizer, cfg.optim.clip_grad, compile=t.compile,
+            self.train_step = TrainStep(loss_sum, roles, optimizer, cfg.optim.clip_grad, compile=t.compile,
                                         parallel=parallel, backend=t.compile_backend, options=options,
                                         sign_rates=sign_rates, meter_size=meter_size,
                                         gather_params_first=cfg.parallel.overlap_param_gather)

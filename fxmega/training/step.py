@@ -28,7 +28,7 @@ from fxmega.core import tree
 from fxmega.ops import aux_loss
 from fxmega.ops.objectives import global_count
 from fxmega.ops.phases import backward_phase
-from fxmega.optim.optimizer import Optimizer
+from fxmega.optim.optimizer import Optimizer, ParamRole
 from fxmega.parallel.runtime import Parallel
 from fxmega.training.update import Update
 
@@ -86,7 +86,7 @@ class TrainStep:
     update of this rank's optimizer shard, and the all-gather of updated ZeRO-1/2 shards.
     """
 
-    def __init__(self, loss_sum_fn: LossSumFn, decay: list[bool], optimizer: Optimizer, clip_grad: float,
+    def __init__(self, loss_sum_fn: LossSumFn, roles: list[ParamRole], optimizer: Optimizer, clip_grad: float,
                  compile: bool = True, parallel: Parallel | None = None, backend: str = "inductor",
                  options: dict | None = None, sign_rates: tuple[float, ...] = (), meter_size: int = 0,
                  gather_params_first: bool = False) -> None:
@@ -95,7 +95,7 @@ class TrainStep:
         # ZeRO-1/2's all-gather of the updated shards at the start of the next step's first graph
         # (``parallel.overlap_param_gather``) rather than at the end of the update
         self.gather_params_first = gather_params_first
-        self.update = Update(optimizer, decay, clip_grad, sign_rates, refresh=not gather_params_first)
+        self.update = Update(optimizer, roles, clip_grad, sign_rates, refresh=not gather_params_first)
         self.parallel = parallel
         self.compiled = compile
         self._accum_buffers: list[torch.Tensor] | None = None

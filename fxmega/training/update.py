@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fxmega.optim.optimizer import Optimizer
+from fxmega.optim.optimizer import Optimizer, ParamRole
 from fxmega.parallel.runtime import Parallel
 from fxmega.training.optim import clip_by_global_norm_, per_tensor_norms, sign_update_
 
@@ -25,13 +25,13 @@ Grads = list[torch.Tensor]
 
 @dataclass(frozen=True)
 class Update:
-    """The optimizer (``fxmega.optim``: AdamW by default), the weight-decay mask (per flat
-    parameter) and the global-norm clip (0: none). ``sign_rates`` (per flat parameter, empty: all 0): a
+    """The optimizer (``fxmega.optim``: AdamW by default), each flat parameter's role (its
+    weight decay, whether it is a hidden matrix) and the global-norm clip (0: none). ``sign_rates`` (per flat parameter, empty: all 0): a
     parameter with a rate is not trained by AdamW; its gradient is a load count, out of the
     norm, and ``optim.sign_update_`` moves it (``ParamSpec.sign_rate``)."""
 
     optimizer: Optimizer
-    decay: list[bool]
+    roles: list[ParamRole]
     clip_grad: float
     sign_rates: tuple[float, ...] = ()
     # ZeRO-1/2: all-gather the updated shards into every replica at the end (False: the next
@@ -70,7 +70,7 @@ class Update:
             grad_norm = clip_by_global_norm_(grads, self.clip_grad, norm_weights,
                                              parallel.groups.sum_over_world if parallel is not None else None, norms)
             finite = torch.isfinite(grad_norm)  # not finite anywhere: the update is not applied
-            self.optimizer.update(targets, grads, opt_state, lr, [self.decay[i] for i in owners], finite.float())
+            self.optimizer.update(targets, grads, opt_state, lr, [self.roles[i] for i in owners], finite.float())
             sign_update_([targets[k] for k in counted], loads, [rates[k] for k in counted], finite.float())
             if parallel is not None and self.refresh:
                 parallel.grads.refresh_params(flat, targets)
