@@ -30,7 +30,7 @@ LAYERS = {
     "optimizers": "optim optim.matrices optim.optimizer optim.adamw optim.muon",
     "distributed runtime": "parallel parallel.strategy parallel.collectives parallel.groups parallel.ring_attention "
                            "parallel.context parallel.activation_layouts parallel.param_shards parallel.flat_optimizer "
-                           "parallel.grad_sync parallel.zero3 parallel.runtime parallel.distributed",
+                           "parallel.grad_sync parallel.zero3 parallel.matrix_pieces parallel.runtime parallel.distributed",
     "checkpoints and conversion": "storage storage.checkpoint_files storage.checkpoint storage.run_state "
                                   "storage.hf_files storage.hf_layout storage.hf_bert storage.hf_t5 storage.convert "
                                   "storage.pretrained "

@@ -6,7 +6,7 @@ the save to step 4 (validating again), and generates from the checkpoint on the 
 Its logged losses, gradient norms and validation losses equal the one-device run's (the same
 seed and global batch, eager) within the summation-order bound of ``tests.tolerance.run_rtol``.
 
-``make test`` runs the six riskiest cases (ZeRO-3, tp+sp, 1F1B, ring cp, ep, Muon on dp); ``make e2e``
+``make test`` runs the six riskiest cases (ZeRO-3, tp+sp, 1F1B, ring cp, ep, Muon on dp x tp with ZeRO-1); ``make e2e``
 (``pytest --e2e``) runs all of them.
 """
 
@@ -50,14 +50,19 @@ CASES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
                                       "--micro-batch-size", "4")),
     # docs/parallelism.md's 8-process command
     "dp_tp_pp": (TINY_GPT, (), ("--mesh", "2x2x2", "--micro-batch-size", "2", "--rules", "zero1")),
-    # Muon on the layouts that keep each hidden matrix whole (the others are refused)
+    # Muon: matrices whole on the rank (dp, pp, cp, ep) or gathered per matrix (tp, ZeRO, fsdp)
     "muon_dp": (TINY_GPT, MUON, ("--mesh", "dp=2", "--micro-batch-size", "4")),
+    "muon_dp_tp_zero1": (TINY_GPT, MUON, ("--mesh", "dp=2,tp=2", "--zero", "1", "--micro-batch-size", "4")),
+    "muon_zero2": (TINY_GPT, MUON, ("--mesh", "dp=2", "--zero", "2", "--micro-batch-size", "4")),
+    "muon_zero3": (TINY_GPT, MUON, ("--mesh", "dp=2", "--rules", "zero3", "--micro-batch-size", "4")),
+    "muon_fsdp": (TINY_GPT, MUON, ("--mesh", "fsdp=2", "--rules", "fsdp", "--micro-batch-size", "4")),
+    "muon_tp_sp": (TINY_GPT, MUON, ("--mesh", "tp=2", "--sequence-parallel")),
     "muon_pp": (TINY_GPT, MUON, ("--mesh", "pp=2", "--pipeline-schedule", "1f1b", "--micro-batch-size", "4")),
     "muon_cp": (TINY_GPT, MUON, ("--mesh", "cp=2", "--cp-attention", "ring")),
     "muon_ep": (TINY_MOE, MUON, ("--mesh", "dp=2,ep=2")),
 }
 # what CI runs: the ones most likely to break on the way from the library to the command line
-RISKIEST = ("zero3", "tp_sp", "pp_1f1b", "cp_ring", "ep", "muon_dp")
+RISKIEST = ("zero3", "tp_sp", "pp_1f1b", "cp_ring", "ep", "muon_dp_tp_zero1")
 STEPS, FIRST = 4, 2
 # a schedule of 4 steps whichever --steps a run stops at, so that the resumed run continues it
 SCHEDULE = ("--lr-decay-iters", str(STEPS), "--log-interval", "1", "--eval-interval", str(FIRST), "--no-progress")

@@ -211,7 +211,8 @@ COMMANDS: dict[str, Command] = {
                     {"training": "--micro-batch-size --global-batch-size --recompute --recompute-layers --kernels "
                                  "--loss-chunk --dump-kernels --compile-backend",
                      "mixed precision": "*", "distributed": "*", "data": "--seq-length", "planning": "*",
-                     "logging": "--log-level"}),
+                     # the optimizer's state is in the memory tables, Muon's gathers in the traffic
+                     "learning rate": "--optimizer", "logging": "--log-level"}),
     "summary": Command("the model summary from its specs alone (layers, shapes, parameter counts)",
                        {"data": "--seq-length", "logging": "--log-level"}),
 }

@@ -73,7 +73,11 @@ def rms_scale(rows: int, cols: int) -> float:
 
 def orthogonalised(directions: list[torch.Tensor], roles: list[ParamRole], steps: int) -> list[torch.Tensor]:
     """NS5 of each direction, seen as its role's matrices, each scaled by ``rms_scale``.
-    Matrices of one shape go through one batched iteration (fewer, larger kernels)."""
+    A direction sliced over ranks is gathered whole first and this rank's part taken from
+    the result (``ParamRole.pieces``: every rank of the slicing groups orthogonalises the
+    same whole matrix). Matrices of one shape go through one batched iteration (fewer,
+    larger kernels)."""
+    directions = [d if r.pieces is None else r.pieces.gather(d) for d, r in zip(directions, roles)]
     stacks = [r.matrix.to_matrices(d) for d, r in zip(directions, roles)]
     by_shape: dict[tuple[int, int], list[int]] = {}
     for k, m in enumerate(stacks):
@@ -84,7 +88,7 @@ def orthogonalised(directions: list[torch.Tensor], roles: list[ParamRole], steps
         ortho = newton_schulz(batch, steps, ns_dtype(batch.device)).to(batch.dtype) * rms_scale(rows, cols)
         for k, part in zip(members, ortho.split([stacks[k].shape[0] for k in members])):
             out[k] = roles[k].matrix.from_matrices(part, tuple(directions[k].shape))
-    return out
+    return [o if r.pieces is None else r.pieces.narrow(o) for o, r in zip(out, roles)]
 
 
 def muon_update(params: list[torch.Tensor], grads: list[torch.Tensor], state: dict, lr: torch.Tensor,

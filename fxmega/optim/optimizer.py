@@ -38,14 +38,27 @@ class StateSpec:
     dtype: torch.dtype = torch.float32
 
 
+class MatrixPieces(Protocol):
+    """How a rank's part of a hidden matrix (its optimizer view, sliced by tp or ZeRO) is
+    made whole and cut again: ``gather`` (a collective, inside the step's graph) gives every
+    rank of the slicing groups the whole tensor, ``narrow`` this rank's part of one."""
+
+    def gather(self, part: torch.Tensor) -> torch.Tensor: ...
+
+    def narrow(self, whole: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class ParamRole:
     """What an optimizer may treat differently in a parameter: whether it takes decoupled
-    weight decay, and how it is a stack of hidden matrices (None: a table, norm or bias).
-    Computed once per parameter from its spec (``fxmega.training.optim.param_roles``)."""
+    weight decay, how it is a stack of hidden matrices (None: a table, norm or bias), and on
+    a mesh that slices the matrix, how its pieces are put together (None: the rank holds
+    it whole). Computed once per parameter from its spec (``fxmega.training.optim.param_roles``)
+    and the rank's layout (``fxmega.parallel.matrix_pieces``)."""
 
     decay: bool
     matrix: MatrixView | None = None
+    pieces: MatrixPieces | None = None
 
 
 class Optimizer(Protocol):

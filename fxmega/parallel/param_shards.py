@@ -29,14 +29,18 @@ class ParamShards:
     def cuts(self, lay: ParamLayout, kind: str = "param") -> list[tuple[int, int, int]]:
         """How this rank's slice is cut from the full (padded) tensor: ``(dim, pieces,
         which)`` in order — tp, then ep, then the data axes (ZeRO / fsdp)."""
+        return [(dim, pieces, which) for dim, pieces, which, _ in self.cuts_over(lay, kind)]
+
+    def cuts_over(self, lay: ParamLayout, kind: str = "param") -> list[tuple[int, int, int, tuple[str, ...]]]:
+        """``cuts`` with the mesh axes each one is made over."""
         coords, out = self.groups.coords, []
         if lay.tp_dim is not None:
-            out.append((lay.tp_dim, self.groups.tp, coords["tp"]))
+            out.append((lay.tp_dim, self.groups.tp, coords["tp"], ("tp",)))
         if lay.ep_dim is not None:
-            out.append((lay.ep_dim, lay.ep_size, coords["ep"]))
+            out.append((lay.ep_dim, lay.ep_size, coords["ep"], ("ep",)))
         split = lay.data_split(kind)
         if lay.zero_dim is not None and split > 1:
-            out.append((lay.zero_dim, split, lay.data_index(kind, coords)))
+            out.append((lay.zero_dim, split, lay.data_index(kind, coords), tuple(lay.data_axes[kind])))
         return out
 
     def shard(self, full: torch.Tensor, lay: ParamLayout, kind: str = "param") -> torch.Tensor:

@@ -28,11 +28,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from fxmega.config import ComputeConfig
 from fxmega.core import precision, tree
 from fxmega.ops.recompute import checkpointed
-from fxmega.optim.optimizer import Optimizer, init_state
+from fxmega.optim.optimizer import Optimizer, ParamRole, init_state
 from fxmega.parallel.activation_layouts import ActivationLayouts
 from fxmega.parallel.context import ContextParallel, chunk_of
 from fxmega.parallel.grad_sync import GradientSync
 from fxmega.parallel.groups import ProcessGroups
+from fxmega.parallel.matrix_pieces import with_pieces
 from fxmega.parallel.param_shards import ParamShards
 from fxmega.parallel.zero3 import gathered_call
 from fxmega.sharding import layout
@@ -82,6 +83,11 @@ class Parallel:
         """Fresh state of ``optimizer`` for this rank's optimizer shard: each of its state
         tensors laid out as the parameters' optimizer views."""
         return init_state(optimizer, lambda dtype: self.grads.init_opt_moments(device, dtype), device)
+
+    def optimizer_roles(self, roles: list[ParamRole], optimizer: Optimizer) -> list[ParamRole]:
+        """``roles`` of this rank's parameters, with the pieces of each hidden matrix the layout
+        slices where ``optimizer`` updates whole matrices (``fxmega.parallel.matrix_pieces``)."""
+        return with_pieces(roles, self.shards, self.groups) if optimizer.whole_matrices else roles
 
     @property
     def gathers_params(self) -> bool:

@@ -126,7 +126,7 @@ def trace_rank_step(cfg: RunConfig, par: Parallel) -> RankTrace:
     optimizer = optimizer_for(cfg.optim)
     opt = par.init_opt_state(optimizer, "meta")
     t = cfg.train
-    roles = param_roles(par.specs, cfg.optim.decay_embeddings)
+    roles = par.optimizer_roles(param_roles(par.specs, cfg.optim.decay_embeddings), optimizer)
     batch = {"inputs": torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta"),
              "targets": torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta")}
     batch = par.local_batch(batch)  # under cp: this rank's chunks and their positions

@@ -15,10 +15,13 @@ from fxmega.compiler.kernel_dump import dump_kernels
 from fxmega.config import RunConfig
 from fxmega.core.errors import ConfigError
 from fxmega.models import family_name, model_for
+from fxmega.core import tree
+from fxmega.optim.matrices import matrix_view
+from fxmega.optim.optimizer import optimizer_for
 from fxmega.parallel.strategy import run_plan
 from fxmega.planning import estimate, exposure, fake
 from fxmega.planning.devices import PROFILES, DeviceProfile
-from fxmega.planning.traffic import AxisTraffic, communication
+from fxmega.planning.traffic import AxisTraffic, communication, whole_matrix_minimum
 from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
 from fxmega.sharding.pipeline import SPLIT_BACKWARD
 from fxmega.sharding.plan import ShardingPlan, format_bytes
@@ -47,6 +50,9 @@ class PlanEstimate:
     work: estimate.Workload
     memory: list[estimate.MemoryEstimate]
     traffic: dict[str, AxisTraffic]
+    # bytes a rank would send to make its sliced hidden matrices whole under the owner scheme
+    # (an optimizer that updates whole matrices; 0 otherwise): what muon_all_gather compares to
+    matrix_minimum: float = 0.0
 
     @property
     def peak(self) -> int:
@@ -57,7 +63,15 @@ def estimate_plan(cfg: RunConfig, plan: ShardingPlan) -> PlanEstimate:
 
     work = estimate.workload_of(cfg, plan.mesh.data_size)
     mem = estimate.memory(plan, cfg.model, work)
-    return PlanEstimate(plan, work, mem, communication(plan, cfg.model, work, cfg.parallel.bucket_size))
+    matrices = {}
+    if optimizer_for(cfg.optim).whole_matrices:
+        specs = model_for(cfg.model).param_specs(cfg.model)
+        matrices = {path: view for path, view in zip(tree.paths(specs), map(matrix_view, tree.leaves(specs)))
+                    if view is not None}
+    mine = [p for p in plan.params.values() if 0 in plan.pp_owners(p.path)]
+    return PlanEstimate(plan, work, mem, communication(plan, cfg.model, work, cfg.parallel.bucket_size,
+                                                       matrices=matrices),
+                        whole_matrix_minimum(plan, mine, matrices))
 
 
 def rank_layout(mesh: MeshSpec, limit: int = 8) -> list[str]:
@@ -139,7 +153,13 @@ def traffic_table(est: PlanEstimate) -> list[str]:
     for axis, t in est.traffic.items():
         rows.append((axis, format_bytes(t.bytes_sent), str(t.collectives),
                      ", ".join(f"{op} x{n}" for op, n in sorted(t.ops.items()))))
-    return lines + text_table(rows)
+    lines += text_table(rows)
+    gathered = sum(t.op_bytes.get("muon_all_gather", 0.0) for t in est.traffic.values())
+    if gathered:
+        lines.append(f"  muon_all_gather: the sliced hidden matrices gathered whole for Newton-Schulz, "
+                     f"{format_bytes(gathered)}; the least any scheme sends (each matrix to one owner rank and "
+                     f"back) is {format_bytes(est.matrix_minimum)}")
+    return lines
 
 
 def text_table(rows: list[tuple]) -> list[str]:

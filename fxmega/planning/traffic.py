@@ -15,6 +15,11 @@ buffer, all-gather and reduce-scatter (W-1)/W of the full buffer), per mesh axis
   ep    the experts' all-to-alls of their fixed buffers, there and back, forward and
         backward, per MoE block and micro batch (``_ep_traffic``).
   pp    each stage boundary sends activations forward and gradients back per micro batch.
+  Muon  with an optimizer that updates whole matrices, each hidden matrix a rank holds a
+        slice of is all-gathered (fp32) over the data axes that cut it, then over tp
+        (``fxmega.parallel.matrix_pieces``), once per step: ``muon_all_gather``.
+        ``whole_matrix_minimum`` is the least any scheme sends for it (each matrix to one
+        owner rank and its result back).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 from fxmega.models import model_for
 from fxmega.models.family import ModelConfig
+from fxmega.optim.matrices import MatrixView
 from fxmega.parallel import collectives
 from fxmega.planning.estimate import (
     DTYPE_BYTES,
@@ -63,8 +69,10 @@ class AxisTraffic:
 
 
 def communication(plan: ShardingPlan, model_cfg: ModelConfig, work: Workload,
-                  bucket_numel: int = 40_000_000, pp_rank: int = 0) -> dict[str, AxisTraffic]:
-    """Bytes each rank of pp rank ``pp_rank`` sends per step, and collectives, per mesh axis."""
+                  bucket_numel: int = 40_000_000, pp_rank: int = 0,
+                  matrices: dict[str, MatrixView] | None = None) -> dict[str, AxisTraffic]:
+    """Bytes each rank of pp rank ``pp_rank`` sends per step, and collectives, per mesh axis.
+    ``matrices``: the hidden matrices of an optimizer that updates them whole (Muon), by path."""
     mesh, act = plan.mesh, work.act_bytes
     traffic: dict[str, AxisTraffic] = {}
     shapes = block_shapes(plan, model_cfg, work)
@@ -83,6 +91,8 @@ def communication(plan: ShardingPlan, model_cfg: ModelConfig, work: Workload,
     if data_axes:
         _data_traffic(plan, mine, work, bucket_numel, traffic, model_groups(model_cfg),
                       embed_backward_reads_params(model_cfg))
+    for axes, numel, world in matrix_gathers(plan, mine, matrices or {}):
+        traffic.setdefault("+".join(axes), AxisTraffic()).add("muon_all_gather", 1, numel * FP32, world)
     token_axes = data_axes + (("cp",) if work.cp > 1 else ())
     if token_axes:  # the step's loss, summed over the data ranks and cp's chunks
         traffic.setdefault("+".join(token_axes), AxisTraffic()).add("all_reduce", 1, FP32,
@@ -230,6 +240,45 @@ def embed_backward_reads_params(model_cfg: ModelConfig) -> bool:
     """Whether the family's embedding needs its parameters in the backward (BERT's ends with
     a LayerNorm; a plain lookup plus positions does not), so ZeRO-3 gathers it again there."""
     return model_for(model_cfg).EMBED_BACKWARD_READS_PARAMS
+
+
+def _matrix_cuts(plan: ShardingPlan, p: Any, view: MatrixView) -> list[tuple[tuple[str, ...], int]]:
+    """The (axes, ranks) that cut a hidden matrix's rows or columns in its optimizer view, in
+    the order they are gathered: the data axes, then tp."""
+    cuts = []
+    if p.zero_dim is not None and p.data_split("opt") > 1 and p.zero_dim not in view.batch:
+        cuts.append((tuple(p.data_axes["opt"]), p.data_split("opt")))
+    if p.tp_dim is not None and plan.tp > 1 and p.tp_dim not in view.batch:
+        cuts.append((("tp",), plan.tp))
+    return cuts
+
+
+def matrix_gathers(plan: ShardingPlan, mine: list, matrices: dict[str, MatrixView]) -> list[tuple]:
+    """``(axes, gathered elements, ranks)`` of each all-gather that makes a sliced hidden
+    matrix whole for the optimizer (``fxmega.parallel.matrix_pieces``)."""
+    out = []
+    for p in mine:
+        if p.path not in matrices:
+            continue
+        numel = p.local_numel("opt")
+        for axes, world in _matrix_cuts(plan, p, matrices[p.path]):
+            numel *= world
+            out.append((axes, numel, world))
+    return out
+
+
+def whole_matrix_minimum(plan: ShardingPlan, mine: list, matrices: dict[str, MatrixView]) -> float:
+    """The least bytes a rank sends per step to orthogonalise the sliced matrices exactly once:
+    each matrix assigned to one of the W ranks that hold its slices, which receives them and
+    sends each rank its part of the result (Megatron's layer-wise distributed optimizer).
+    Averaged over owners, a rank sends 2 (W - 1) / W of its own slice of each."""
+    total = 0.0
+    for p in mine:
+        cuts = _matrix_cuts(plan, p, matrices[p.path]) if p.path in matrices else []
+        if cuts:
+            world = math.prod(w for _, w in cuts)
+            total += 2 * (world - 1) / world * p.local_numel("opt") * FP32
+    return total
 
 
 def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: int,

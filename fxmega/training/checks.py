@@ -13,13 +13,11 @@ from __future__ import annotations
 import torch
 
 from fxmega.config import RunConfig
-from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.models import family_name
 from fxmega.models.family import ModelFamily
 from fxmega.ops import kernels
 from fxmega.ops.objectives import Objective
-from fxmega.optim.matrices import matrix_view
 from fxmega.optim.optimizer import optimizer_for
 from fxmega.parallel.distributed import checked_plan
 from fxmega.sharding.mesh import MeshSpec
@@ -39,38 +37,23 @@ def check_run(cfg: RunConfig, plan: ShardingPlan | None, device: torch.device, m
     """The config's fields with the batch arithmetic on ``plan``'s data size, then the compute
     options (``check_compute``); returns ``cfg``."""
     cfg.validate(1 if plan is None else plan.mesh.data_size)
-    check_optimizer(cfg, plan, model)  # an optimizer it does not know is refused here
+    check_optimizer(cfg, plan)  # an optimizer it does not know is refused here
     check_compute(cfg, plan, device, model)
     return cfg
 
 
-def check_optimizer(cfg: RunConfig, plan: ShardingPlan | None, model: ModelFamily) -> None:
+def check_optimizer(cfg: RunConfig, plan: ShardingPlan | None) -> None:
     """The optimizer ``optim.optimizer`` names exists, and one that updates whole matrices
-    (Muon) gets them: no rank may hold a slice of a hidden matrix's rows or columns (its
-    batch dims, the experts or the q/k/v of a fused projection, may be split)."""
+    (Muon) can have them: tp, ZeRO and fsdp slices are gathered per matrix
+    (``fxmega.parallel.matrix_pieces``), but the distributed optimizer's flat segments cut
+    across tensors, so it is refused."""
     optimizer = optimizer_for(cfg.optim)
-    if plan is None or not optimizer.whole_matrices:
-        return
-    fix = (f"run optim.optimizer={optimizer.name} on a mesh of dp, pp, cp and ep without ZeRO (e.g. --mesh dp=2), "
-           f"or use optim.optimizer=adamw")
-    if plan.strategy.flat:
+    if plan is not None and optimizer.whole_matrices and plan.strategy.flat:
         raise ConfigError(f"optim.optimizer={optimizer.name} orthogonalises each hidden matrix whole, and the "
                           f"distributed optimizer (parallel.distributed_optimizer=true) cuts every tensor into "
-                          f"flat segments: {fix}")
-    specs = model.param_specs(cfg.model)
-    for spec, path in zip(tree.leaves(specs), tree.paths(specs)):
-        view, layout = matrix_view(spec), plan.params[path]
-        if view is None:
-            continue
-        split = {layout.tp_dim: f"tp={layout.tp_size}"} if layout.tp_dim is not None and layout.tp_size > 1 else {}
-        if layout.zero_dim is not None and layout.data_axes["opt"]:
-            split[layout.zero_dim] = f"{'+'.join(layout.data_axes['opt'])} (ZeRO-{plan.zero} or the rules)"
-        for dim, by in split.items():
-            if dim not in view.batch:
-                raise ConfigError(f"optim.optimizer={optimizer.name} orthogonalises each hidden matrix whole; on "
-                                  f"mesh {cfg.parallel.mesh} a rank holds a slice of {path} (its "
-                                  f"{spec.axes[dim]!r} dim is split over {by}), and gathering the slices for "
-                                  f"Newton-Schulz is not built yet: {fix}")
+                          f"flat segments that cross tensor boundaries: use ZeRO over dims instead "
+                          f"(drop --use-distributed-optimizer, keep --zero {plan.zero}), or "
+                          f"optim.optimizer=adamw")
 
 
 def check_compute(cfg: RunConfig, plan: ShardingPlan | None, device: torch.device, model: ModelFamily) -> None:

@@ -89,6 +89,8 @@ class Run:
         self.pipelined = parallel is not None and parallel.plan.pipeline is not None
         self.optimizer = optimizer = optimizer_for(cfg.optim)
         roles = param_roles(self.local_specs, cfg.optim.decay_embeddings)
+        if parallel is not None:  # Muon on a mesh that slices a matrix: how its pieces are gathered
+            roles = parallel.optimizer_roles(roles, optimizer)
         sign_rates = tuple(s.sign_rate for s in tree.leaves(self.local_specs))  # MoE expert biases: see Update
         if parallel is None:
             params = trainable(init_params(self.specs, t.seed, self.device))
