@@ -17,7 +17,8 @@ LAYERS = {
     "sharding annotations": "sharding sharding.layout sharding.mesh sharding.rules sharding.pipeline sharding.plan",
     "compiler": "compiler compiler.inspect compiler.generated_code compiler.kernel_dump compiler.overlap",
     "building blocks": "ops ops.kernels ops.kernels.triton_ops ops.kernels.triton_norms "
-                       "ops.kernels.triton_cross_entropy ops.rope ops.attention_blocks ops.matmul ops.layers ops.losses "
+                       "ops.kernels.triton_cross_entropy ops.rope ops.attention_blocks ops.matmul ops.layers "
+                       "ops.losses "
                        "ops.objectives ops.recompute ops.counter_random ops.init ops.routing ops.experts ops.aux_loss "
                        "ops.moe ops.tied_embedding_grad ops.phases",
     "models": "models models.family models.bert models.gpt models.llama models.mixtral models.t5 models.pieces "
@@ -30,7 +31,8 @@ LAYERS = {
     "optimizers": "optim optim.matrices optim.optimizer optim.adamw optim.muon",
     "distributed runtime": "parallel parallel.strategy parallel.collectives parallel.groups parallel.ring_attention "
                            "parallel.context parallel.activation_layouts parallel.param_shards parallel.flat_optimizer "
-                           "parallel.grad_sync parallel.zero3 parallel.matrix_pieces parallel.runtime parallel.distributed",
+                           "parallel.grad_sync parallel.zero3 parallel.matrix_pieces parallel.runtime "
+                           "parallel.distributed",
     "checkpoints and conversion": "storage storage.checkpoint_files storage.checkpoint storage.run_state "
                                   "storage.hf_files storage.hf_layout storage.hf_bert storage.hf_t5 storage.convert "
                                   "storage.pretrained "
@@ -39,7 +41,8 @@ LAYERS = {
                  "inference.generate_parallel inference.code_exec",
     "training": "training training.optim training.update training.schedules training.metrics training.step "
                 "training.pipeline_step training.evaluate training.faults training.heartbeat training.logs "
-                "training.tracking training.state training.outcome training.checks training.interrupt training.reference training.run "
+                "training.tracking training.state training.outcome training.checks training.interrupt "
+                "training.reference training.run "
                 "training.train "
                 "training.finetune",
     "serving": "inference.serve inference.serve_mesh inference.generation_cli inference.chat "

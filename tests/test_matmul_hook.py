@@ -11,7 +11,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxmega.config import load, override
-from fxmega.data.batches import MockTokens
 from fxmega.models import lm_loss_sum, model_for
 from fxmega.models.t5 import example_batch
 from fxmega.ops import matmul as matmul_hook

@@ -18,7 +18,7 @@ from fxmega.training.checks import check_reference
 from fxmega.training.run import Run
 from tests.multirank import run_ranks
 from tests.parity import assert_matches_one_device, record
-from tests.reference_workers import LogitPull, on_meshes
+from tests.reference_workers import LogitPull
 from tests.sharding_workers import AOT_EAGER, tiny_config
 from tests.tolerance import run_rtol
 

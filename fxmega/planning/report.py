@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from fxmega.compiler.kernel_dump import dump_kernels
 from fxmega.config import RunConfig
+from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.models import family_name, model_for
-from fxmega.core import tree
 from fxmega.optim.matrices import matrix_view
 from fxmega.optim.optimizer import optimizer_for
 from fxmega.parallel.strategy import run_plan

@@ -25,8 +25,8 @@ from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq,
 from fxmega.models import loss_by_pieces, model_for
 from fxmega.models.family import ModelFamily
 from fxmega.ops import aux_loss, kernels, recompute, tied_embedding_grad
-from fxmega.ops.objectives import Objective
 from fxmega.ops.init import init_params
+from fxmega.ops.objectives import Objective
 from fxmega.optim.optimizer import init_state, optimizer_for
 from fxmega.parallel.runtime import Parallel
 from fxmega.storage import checkpoint, run_state

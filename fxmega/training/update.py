@@ -26,9 +26,10 @@ Grads = list[torch.Tensor]
 @dataclass(frozen=True)
 class Update:
     """The optimizer (``fxmega.optim``: AdamW by default), each flat parameter's role (its
-    weight decay, whether it is a hidden matrix) and the global-norm clip (0: none). ``sign_rates`` (per flat parameter, empty: all 0): a
-    parameter with a rate is not trained by AdamW; its gradient is a load count, out of the
-    norm, and ``optim.sign_update_`` moves it (``ParamSpec.sign_rate``)."""
+    weight decay, whether it is a hidden matrix) and the global-norm clip (0: none).
+    ``sign_rates`` (per flat parameter, empty: all 0): a parameter with a rate is not
+    trained by the optimizer; its gradient is a load count, out of the norm, and
+    ``optim.sign_update_`` moves it (``ParamSpec.sign_rate``)."""
 
     optimizer: Optimizer
     roles: list[ParamRole]
