@@ -12,7 +12,7 @@ from fxmega.config import ParallelConfig
 from fxmega.core.errors import ConfigError
 from fxmega.models import gpt
 from fxmega.parallel.collectives import buckets
-from fxmega.parallel.flat_optimizer import owned_segments
+from fxmega.parallel.flat_optimizer import FlatBucket, Segment, owned_segments, owner_buffer_numel, owner_packing
 from fxmega.parallel.strategy import plan_from
 from fxmega.training.run import Run
 from tests.multirank import ROOT, run_ranks
@@ -22,6 +22,7 @@ from tests.sharding_workers import BUCKET, tiny_config
 STEPS = 3
 DP3 = ("train.global_batch_size=12", "train.micro_batch_size=2")  # 2 micro batches per rank on dp=3
 SMALL_MICRO = ("train.micro_batch_size=2",)
+MUON = ("optim.optimizer=muon",)
 
 
 def test_owned_ranges_cover_every_element_once():
@@ -33,6 +34,28 @@ def test_owned_ranges_cover_every_element_once():
         assert pad == (2 if index == 2 else 0)
         seen += [(s.tensor, s.start + k) for s in segments for k in range(s.length)]
     assert seen == [(t, k) for t, n in enumerate(numels) for k in range(n)]
+
+
+def test_by_owner_buckets_hand_each_matrix_whole_to_one_rank():
+    numels = [12, 4, 12, 6, 3]  # largest first onto the least loaded: ranks own 12, 12, 6+4+3
+    packing = owner_packing(numels, 3)
+    assert packing == [[0], [2], [1, 3, 4]]
+    assert owner_buffer_numel(numels, 3) == 3 * 13  # the first two ranks pad one element
+    members = (10, 11, 12, 13, 14)  # the parameters' indices; their tensors, flattened
+    tensors = [torch.arange(n, dtype=torch.float32) + 100 * k for k, n in enumerate(numels)]
+    for rank, owned in enumerate(packing):
+        segments = tuple(Segment(members[k], 0, numels[k], shaped=True) for k in owned)
+        bucket = FlatBucket(None, 3, members, tuple(numels), segments, 13 - sum(numels[k] for k in owned),
+                            tuple(tuple(ks) for ks in packing))
+        buffer = bucket.pack(tensors)
+        assert buffer.numel() == 3 * bucket.shard == 3 * 13
+        # what a reduce-scatter leaves this rank: its 1/3 of the buffer, its matrices whole
+        mine = buffer.chunk(3)[rank].split([s.length for s in segments] + [bucket.pad])
+        for k, got in zip(owned, mine):
+            assert torch.equal(got, tensors[k])
+        assert not mine[-1].any()  # the padding
+        # what an all-gather gives back: every member, from any rank's bucket
+        assert all(torch.equal(a, b) for a, b in zip(bucket.unpack(buffer), tensors))
 
 
 def _plan(mesh: str, zero: int = 1, flat: bool = True):
@@ -100,7 +123,10 @@ def four_ranks(dp3):
     cases = {"dp4": ("dp=4", eager, {}), "dp2_tp2": ("dp=2,tp=2", eager, {}),
              "dp2_pp2": ("dp=2,pp=2", eager, {}),
              # ZeRO-2: each of a rank's 2 micro batches reduce-scattered, its segments accumulated
-             "dp2_tp2_zero2": ("dp=2,tp=2", eager, {"zero": 2})}
+             "dp2_tp2_zero2": ("dp=2,tp=2", eager, {"zero": 2}),
+             # Muon: each hidden matrix whole on its owner rank (then gathered over tp)
+             "dp2_tp2_muon": ("dp=2,tp=2", (*eager, *MUON), {}),
+             "dp4_zero2_muon": ("dp=4", (*eager, *MUON), {"zero": 2})}
     trained = run_ranks(4, "tests.distributed_optimizer_workers:train_and_save", cases, STEPS)[0]
     reshard = {"dp4_flat": ("dp=4", SMALL_MICRO, {}),
                "dp2_tp2_by_dim": ("dp=2,tp=2", SMALL_MICRO, {"distributed_optimizer": False})}
@@ -109,10 +135,10 @@ def four_ranks(dp3):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp4", "dp2_tp2", "dp2_pp2", "dp2_tp2_zero2"])
+@pytest.mark.parametrize("name", ["dp4", "dp2_tp2", "dp2_pp2", "dp2_tp2_zero2", "dp2_tp2_muon", "dp4_zero2_muon"])
 def test_four_rank_layouts_match_one_device(four_ranks, name):
     trained, _ = four_ranks
-    cfg = tiny_config(compile=False, extra=SMALL_MICRO)
+    cfg = tiny_config(compile=False, extra=(*SMALL_MICRO, *(MUON if name.endswith("muon") else ())))
     got = trained[name]
     assert_matches_one_device(got, record(Run(cfg), STEPS), cfg, f"distributed optimizer {name}")
 

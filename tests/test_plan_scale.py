@@ -97,6 +97,9 @@ def test_fake_parallel_shards_match_the_plan():
     # Muon: the sliced hidden matrices gathered whole, over the data axes then tp (not the experts over ep)
     ("tiny_gpt", ["parallel.mesh=dp=2,tp=2", "parallel.zero=1", "optim.optimizer=muon"]),
     ("tiny_moe", ["parallel.mesh=dp=2,ep=2", "parallel.zero=3", "optim.optimizer=muon"]),
+    # ... and under the distributed optimizer, the matrices in by-owner buckets of their own
+    ("tiny_gpt", ["parallel.mesh=dp=3,tp=2", "parallel.zero=1", "parallel.distributed_optimizer=true",
+                  "parallel.bucket_size=20000", "optim.optimizer=muon"]),
 ])
 @pytest.mark.slow
 def test_estimated_collectives_equal_the_traced_step(name, sets):

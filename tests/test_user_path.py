@@ -50,10 +50,13 @@ CASES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
                                       "--micro-batch-size", "4")),
     # docs/parallelism.md's 8-process command
     "dp_tp_pp": (TINY_GPT, (), ("--mesh", "2x2x2", "--micro-batch-size", "2", "--rules", "zero1")),
-    # Muon: matrices whole on the rank (dp, pp, cp, ep) or gathered per matrix (tp, ZeRO, fsdp)
+    # Muon: matrices whole on the rank (dp, pp, cp, ep), gathered per matrix (tp, ZeRO, fsdp) or given to
+    # one owner rank each (the distributed optimizer)
     "muon_dp": (TINY_GPT, MUON, ("--mesh", "dp=2", "--micro-batch-size", "4")),
     "muon_dp_tp_zero1": (TINY_GPT, MUON, ("--mesh", "dp=2,tp=2", "--zero", "1", "--micro-batch-size", "4")),
     "muon_zero2": (TINY_GPT, MUON, ("--mesh", "dp=2", "--zero", "2", "--micro-batch-size", "4")),
+    "muon_distributed_optimizer": (TINY_GPT, MUON, ("--mesh", "dp=2", "--zero", "1", "--use-distributed-optimizer",
+                                                    "--micro-batch-size", "4")),
     "muon_zero3": (TINY_GPT, MUON, ("--mesh", "dp=2", "--rules", "zero3", "--micro-batch-size", "4")),
     "muon_fsdp": (TINY_GPT, MUON, ("--mesh", "fsdp=2", "--rules", "fsdp", "--micro-batch-size", "4")),
     "muon_tp_sp": (TINY_GPT, MUON, ("--mesh", "tp=2", "--sequence-parallel")),

@@ -22,6 +22,7 @@ from fxmega.core.device import kernel_cache_name
 from fxmega.core.log import get_logger
 from fxmega.models import model_for
 from fxmega.models.family import ModelFamily
+from fxmega.optim.optimizer import optimizer_for
 from fxmega.parallel.context import check_context_parallel
 from fxmega.parallel.runtime import Parallel
 from fxmega.parallel.strategy import run_plan
@@ -87,7 +88,7 @@ def rank_parallel(cfg: RunConfig, plan: ShardingPlan, device_mesh: DeviceMesh, r
     group: ``setup`` and ``fxmega.planning.fake`` build it the same way)."""
     local = local_specs(model.param_specs(cfg.model), plan, plan.mesh.coords(rank)["pp"])
     return Parallel(plan, device_mesh, rank, local, cfg.parallel.bucket_size, cfg.parallel.zero3_regather,
-                    cfg.compute, cfg.parallel.cp_attention)
+                    cfg.compute, cfg.parallel.cp_attention, optimizer_for(cfg.optim).whole_matrices)
 
 
 def setup(cfg: RunConfig, mesh: MeshSpec, model: ModelFamily | None = None) -> tuple[Parallel, torch.device]:

@@ -30,20 +30,22 @@ class GradientSync:
     """The bucketed collectives for ``layouts`` (this rank's parameters, in leaf order) over
     ``groups``; ``bucket_numel`` elements per bucket (0: one tensor per bucket) and
     reductions in ``reduce_dtype``. ``flat``: the distributed optimizer's flat buckets for
-    the sums over replicas, except for the tensors ``whole`` marks (all-reduced); with
+    the sums over replicas, except for the tensors ``whole`` marks (all-reduced), and with
+    the tensors ``owned`` marks (updated whole: Muon's matrices) in by-owner buckets; with
     ``flat_grads`` (its ZeRO-2) they are reduce-scattered per micro batch and accumulated
     as this rank's segments."""
 
     def __init__(self, groups: ProcessGroups, layouts: list[ParamLayout], bucket_numel: int = 0,
                  reduce_dtype: torch.dtype = torch.float32, flat: bool = False,
-                 whole: list[bool] | None = None, flat_grads: bool = False) -> None:
+                 whole: list[bool] | None = None, flat_grads: bool = False,
+                 owned: list[bool] | None = None) -> None:
         self.groups, self.layouts = groups, layouts
         self.flat_grads = flat and flat_grads
         self.bucket_numel, self.reduce_dtype = bucket_numel, reduce_dtype
         extra = lambda lay, kind, base: tuple(a for a in lay.data_axes[kind] if a not in lay.data_axes[base])  # noqa
         data_axes = groups.data_axes
         whole = whole or [False] * len(layouts)
-        self.flat = FlatOptimizerShards(groups, layouts, whole, bucket_numel) if flat else None
+        self.flat = FlatOptimizerShards(groups, layouts, whole, bucket_numel, owned) if flat else None
         # the flat buckets take the sums over replicas of all but the whole tensors
         in_buckets = {i for b in self.flat.buckets for i in b.members} if self.flat is not None else set()
         self._micro = self._schedule([("reduce_scatter", extra(lay, "grad", "param")) for lay in layouts])

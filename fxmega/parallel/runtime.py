@@ -28,6 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fxmega.config import ComputeConfig
 from fxmega.core import precision, tree
 from fxmega.ops.recompute import checkpointed
+from fxmega.optim.matrices import matrix_view
 from fxmega.optim.optimizer import Optimizer, ParamRole, init_state
 from fxmega.parallel.activation_layouts import ActivationLayouts
 from fxmega.parallel.context import ContextParallel, chunk_of
@@ -56,7 +57,7 @@ class Parallel:
 
     def __init__(self, plan: ShardingPlan, device_mesh: DeviceMesh, rank: int, specs: tree.Tree,
                  bucket_numel: int = 0, regather: bool = True, compute: ComputeConfig | None = None,
-                 cp_attention: str = "allgather") -> None:
+                 cp_attention: str = "allgather", whole_matrices: bool = False) -> None:
         self.plan, self.rank, self.specs = plan, rank, specs
         self.regather = regather  # ZeRO-3: gather again in the backward (False keeps them: for measurements)
         self.compute = compute  # precision, recompute, kernels (None: fp32, no recompute)
@@ -73,8 +74,11 @@ class Parallel:
         self.activations = (ActivationLayouts(plan, tp_mesh, self.context, self.groups)
                             if tp_mesh is not None or self.context is not None or exchanges else None)
         whole = [spec.sign_rate > 0 for spec in tree.leaves(specs)]  # updates that read the whole gradient
+        # an optimizer that updates whole matrices (``whole_matrices``): under the distributed
+        # optimizer each hidden matrix has one owner rank (``fxmega.parallel.flat_optimizer``)
+        owned = [whole_matrices and matrix_view(spec) is not None for spec in tree.leaves(specs)]
         self.grads = GradientSync(self.groups, self.shards.layouts, bucket_numel, self.reduce_dtype,
-                                  plan.strategy.flat, whole, flat_grads=plan.zero >= 2)
+                                  plan.strategy.flat, whole, flat_grads=plan.zero >= 2, owned=owned)
         # ZeRO-3 / FSDP: the groups parameters are gathered over (experts, split over ep, over fewer ranks)
         self._gathers = {axes: (axes, self.groups.size(axes), self.groups.group(axes))
                          for axes in (lay.data_axes["param"] for lay in self.shards.layouts) if axes}

@@ -21,7 +21,7 @@ from fxmega.optim.optimizer import optimizer_for
 from fxmega.parallel.strategy import run_plan
 from fxmega.planning import estimate, exposure, fake
 from fxmega.planning.devices import PROFILES, DeviceProfile
-from fxmega.planning.traffic import AxisTraffic, communication, whole_matrix_minimum
+from fxmega.planning.traffic import AxisTraffic, communication, orthogonalised_here, whole_matrix_minimum
 from fxmega.sharding.mesh import PHYSICAL_ORDER, MeshSpec
 from fxmega.sharding.pipeline import SPLIT_BACKWARD
 from fxmega.sharding.plan import ShardingPlan, format_bytes
@@ -71,7 +71,8 @@ def estimate_plan(cfg: RunConfig, plan: ShardingPlan) -> PlanEstimate:
     mine = [p for p in plan.params.values() if 0 in plan.pp_owners(p.path)]
     return PlanEstimate(plan, work, mem, communication(plan, cfg.model, work, cfg.parallel.bucket_size,
                                                        matrices=matrices),
-                        whole_matrix_minimum(plan, mine, matrices))
+                        whole_matrix_minimum(plan, mine, orthogonalised_here(plan, mine, matrices,
+                                                                             cfg.parallel.bucket_size)))
 
 
 def rank_layout(mesh: MeshSpec, limit: int = 8) -> list[str]:

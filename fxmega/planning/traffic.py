@@ -19,7 +19,9 @@ buffer, all-gather and reduce-scatter (W-1)/W of the full buffer), per mesh axis
         slice of is all-gathered (fp32) over the data axes that cut it, then over tp
         (``fxmega.parallel.matrix_pieces``), once per step: ``muon_all_gather``.
         ``whole_matrix_minimum`` is the least any scheme sends for it (each matrix to one
-        owner rank and its result back).
+        owner rank and its result back). Under the distributed optimizer that is the scheme
+        over the data axes: the matrices' by-owner buckets are counted with its reduce-
+        scatters and all-gathers, their padding to the most loaded rank included.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from fxmega.models import model_for
 from fxmega.models.family import ModelConfig
 from fxmega.optim.matrices import MatrixView
 from fxmega.parallel import collectives
+from fxmega.parallel.flat_optimizer import owner_buffer_numel, owner_packing
 from fxmega.planning.estimate import (
     DTYPE_BYTES,
     FP32,
@@ -90,8 +93,9 @@ def communication(plan: ShardingPlan, model_cfg: ModelConfig, work: Workload,
     data_axes = tuple(a for a in DATA_AXES if mesh.size(a) > 1)
     if data_axes:
         _data_traffic(plan, mine, work, bucket_numel, traffic, model_groups(model_cfg),
-                      embed_backward_reads_params(model_cfg))
-    for axes, numel, world in matrix_gathers(plan, mine, matrices or {}):
+                      embed_backward_reads_params(model_cfg), matrices or {})
+    for axes, numel, world in matrix_gathers(plan, mine, orthogonalised_here(plan, mine, matrices or {},
+                                                                               bucket_numel)):
         traffic.setdefault("+".join(axes), AxisTraffic()).add("muon_all_gather", 1, numel * FP32, world)
     token_axes = data_axes + (("cp",) if work.cp > 1 else ())
     if token_axes:  # the step's loss, summed over the data ranks and cp's chunks
@@ -253,6 +257,39 @@ def _matrix_cuts(plan: ShardingPlan, p: Any, view: MatrixView) -> list[tuple[tup
     return cuts
 
 
+def _owner_buckets(plan: ShardingPlan, mine: list, matrices: dict[str, MatrixView], bucket_numel: int
+                   ) -> list[tuple[tuple[str, ...], list, int]]:
+    """``(axes, member parameters, ranks)`` of the distributed optimizer's by-owner buckets
+    (``fxmega.parallel.flat_optimizer``): the hidden matrices with replicas over the data
+    axes, grouped and bucketed as the runtime does."""
+    data_axes = tuple(a for a in DATA_AXES if plan.mesh.size(a) > 1)
+    owned: dict[tuple[str, ...], list] = {}
+    for p in mine:
+        if p.path in matrices and p.replica_axes(data_axes):
+            owned.setdefault(p.replica_axes(data_axes), []).append(p)
+    out = []
+    for axes, ps in sorted(owned.items()):
+        world = math.prod(plan.mesh.size(a) for a in axes)
+        out += [(axes, [ps[i] for i in bucket], world)
+                for bucket in collectives.buckets([p.local_numel("grad") for p in ps], bucket_numel)]
+    return out
+
+
+def orthogonalised_here(plan: ShardingPlan, mine: list, matrices: dict[str, MatrixView],
+                        bucket_numel: int) -> dict[str, MatrixView]:
+    """The hidden matrices rank 0 of the data axes orthogonalises: all of them, except under
+    the distributed optimizer, where a matrix with data replicas is its owner's alone (the
+    others receive the result in the all-gather that refreshes the replicas)."""
+    if not plan.strategy.flat:
+        return matrices
+    buckets = _owner_buckets(plan, mine, matrices, bucket_numel)
+    shared = {p.path for _, ps, _ in buckets for p in ps}
+    kept = {path: view for path, view in matrices.items() if path not in shared}
+    for _, ps, world in buckets:
+        kept |= {ps[k].path: matrices[ps[k].path] for k in owner_packing([p.local_numel("grad") for p in ps], world)[0]}
+    return kept
+
+
 def matrix_gathers(plan: ShardingPlan, mine: list, matrices: dict[str, MatrixView]) -> list[tuple]:
     """``(axes, gathered elements, ranks)`` of each all-gather that makes a sliced hidden
     matrix whole for the optimizer (``fxmega.parallel.matrix_pieces``)."""
@@ -283,9 +320,11 @@ def whole_matrix_minimum(plan: ShardingPlan, mine: list, matrices: dict[str, Mat
 
 def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: int,
                   traffic: dict[str, AxisTraffic], groups: tuple[tuple[str, ...], tuple[str, ...]],
-                  embed_regathered: bool) -> None:
+                  embed_regathered: bool, matrices: dict[str, MatrixView]) -> None:
     """The data axes' collectives, as ``Parallel`` schedules them: each op over the axes it
-    spans (HSDP: gathers over fsdp, replica all-reduce over dp), bucketed the same way."""
+    spans (HSDP: gathers over fsdp, replica all-reduce over dp), bucketed the same way.
+    ``matrices``: the hidden matrices of a whole-matrix optimizer (by-owner buckets under the
+    distributed optimizer)."""
     mesh, n = plan.mesh, work.n_micro
     reduce = FP32 if work.grad_reduce == "fp32" else 2
 
@@ -327,9 +366,17 @@ def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: 
     if plan.strategy.flat:
         # the distributed optimizer: the replicas' sum reduce-scattered as flat buckets (per
         # micro batch with ZeRO-2), the updated ranges all-gathered (the few tensors whose
-        # update reads them whole, MoE sign-rate biases, are all-reduced instead: not counted)
-        scheduled("reduce_scatter", replicas, lambda p: p.local_numel("grad"), n if plan.zero >= 2 else 1, reduce)
-        scheduled("all_gather", replicas, lambda p: p.local_numel("param"), 1, FP32)
+        # update reads them whole, MoE sign-rate biases, are all-reduced instead: not counted).
+        # A whole-matrix optimizer's matrices travel in by-owner buckets of their own, each
+        # rank's part padded to the most loaded rank's (``flat_optimizer.owner_packing``)
+        per_step = n if plan.zero >= 2 else 1
+        ranged = lambda p: () if p.path in matrices else replicas(p)  # noqa: E731
+        scheduled("reduce_scatter", ranged, lambda p: p.local_numel("grad"), per_step, reduce)
+        scheduled("all_gather", ranged, lambda p: p.local_numel("param"), 1, FP32)
+        for axes, ps, world in _owner_buckets(plan, mine, matrices, bucket_numel):
+            buffer = owner_buffer_numel([p.local_numel("grad") for p in ps], world)
+            add("reduce_scatter", axes, per_step, buffer * reduce)
+            add("all_gather", axes, 1, buffer * FP32)
         return
     # replicas (plain data parallelism, HSDP's dp): all-reduced once per step
     scheduled("all_reduce", replicas, lambda p: p.local_numel("opt"), 1, reduce)

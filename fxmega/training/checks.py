@@ -37,23 +37,17 @@ def check_run(cfg: RunConfig, plan: ShardingPlan | None, device: torch.device, m
     """The config's fields with the batch arithmetic on ``plan``'s data size, then the compute
     options (``check_compute``); returns ``cfg``."""
     cfg.validate(1 if plan is None else plan.mesh.data_size)
-    check_optimizer(cfg, plan)  # an optimizer it does not know is refused here
+    check_optimizer(cfg)  # an optimizer it does not know is refused here
     check_compute(cfg, plan, device, model)
     return cfg
 
 
-def check_optimizer(cfg: RunConfig, plan: ShardingPlan | None) -> None:
-    """The optimizer ``optim.optimizer`` names exists, and one that updates whole matrices
-    (Muon) can have them: tp, ZeRO and fsdp slices are gathered per matrix
-    (``fxmega.parallel.matrix_pieces``), but the distributed optimizer's flat segments cut
-    across tensors, so it is refused."""
-    optimizer = optimizer_for(cfg.optim)
-    if plan is not None and optimizer.whole_matrices and plan.strategy.flat:
-        raise ConfigError(f"optim.optimizer={optimizer.name} orthogonalises each hidden matrix whole, and the "
-                          f"distributed optimizer (parallel.distributed_optimizer=true) cuts every tensor into "
-                          f"flat segments that cross tensor boundaries: use ZeRO over dims instead "
-                          f"(drop --use-distributed-optimizer, keep --zero {plan.zero}), or "
-                          f"optim.optimizer=adamw")
+def check_optimizer(cfg: RunConfig) -> None:
+    """The optimizer ``optim.optimizer`` names exists. One that updates whole matrices (Muon)
+    runs on every layout: tp, ZeRO and fsdp slices are gathered per matrix
+    (``fxmega.parallel.matrix_pieces``), and the distributed optimizer gives each matrix to
+    one owner rank (``fxmega.parallel.flat_optimizer``)."""
+    optimizer_for(cfg.optim)
 
 
 def check_compute(cfg: RunConfig, plan: ShardingPlan | None, device: torch.device, model: ModelFamily) -> None:
