@@ -124,9 +124,11 @@ class Heartbeat:
                 f"the backend reports: {text.splitlines()[0][:160]}")
         try:
             beats = self.read()
-        except Exception as e:  # the store itself is gone (the launcher died)
-            return HangError(f"rank {self.rank}: a collective in step {step} failed ({what}) and the rendezvous "
-                             f"store does not answer ({e}); the job's launcher or rank 0 has died")
+        except dist.DistError as e:
+            # the store itself is gone: the launcher that hosts it has died (a peer that saw it
+            # first has exited, which is why the collective failed), and nobody is left to
+            # print this rank's error but the rank itself (``LauncherLostError``)
+            return self._lost(step, e)
         now = time.time()
         mine = next((b for b in beats if b.rank == self.rank), None)
         behind = [b for b in beats if mine is not None and b.progress < mine.progress]
