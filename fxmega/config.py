@@ -22,6 +22,7 @@ from fxmega.core.errors import ConfigError
 from fxmega.data.gpt_dataset import parse_split
 from fxmega.models import family_name, model_for, registry
 from fxmega.models.family import ModelConfig
+from fxmega.ops import fp8
 from fxmega.sharding.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 
 CP_ATTENTION = ("allgather", "ring", "a2a")  # parallel.cp_attention
@@ -308,6 +309,7 @@ def _validate_compute(c: ComputeConfig) -> None:
              f"compute.recompute={c.recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")
     _require(c.recompute_layers >= 0, f"compute.recompute_layers={c.recompute_layers} must be zero (all) or positive")
     _require(c.kernels in KERNELS, f"compute.kernels={c.kernels!r}: use one of {', '.join(KERNELS)}")
+    fp8.check_recipe(c.fp8)
     _require(c.loss_chunk >= 0, f"compute.loss_chunk={c.loss_chunk} must be zero (no chunks) or positive")
 
 

@@ -17,7 +17,7 @@ LAYERS = {
     "sharding annotations": "sharding sharding.layout sharding.mesh sharding.rules sharding.pipeline sharding.plan",
     "compiler": "compiler compiler.inspect compiler.generated_code compiler.kernel_dump compiler.overlap",
     "building blocks": "ops ops.kernels ops.kernels.triton_ops ops.kernels.triton_norms "
-                       "ops.kernels.triton_cross_entropy ops.rope ops.attention_blocks ops.matmul ops.layers "
+                       "ops.kernels.triton_cross_entropy ops.rope ops.attention_blocks ops.matmul ops.fp8 ops.layers "
                        "ops.losses "
                        "ops.objectives ops.recompute ops.counter_random ops.init ops.routing ops.experts ops.aux_loss "
                        "ops.moe ops.tied_embedding_grad ops.phases",

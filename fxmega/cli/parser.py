@@ -97,6 +97,8 @@ GROUPS: dict[str, list[Flag]] = {
                "--loss-scale-window compute.loss_scale_window --hysteresis compute.hysteresis"),
         Flag("--bf16", "same as --precision bf16 (Megatron's flag)", switch="compute.precision=bf16"),
         Flag("--fp16", "same as --precision fp16 (Megatron's flag)", switch="compute.precision=fp16"),
+        Flag("--fp8", key="compute.fp8", help="sets compute.fp8: tensorwise or rowwise scaled fp8 for the dense "
+             "layers' weight matmuls, through torchao (pip install 'fxmega[fp8]'); off by default"),
     ],
     "distributed": [
         Flag("--mesh", key="parallel.mesh",

@@ -21,5 +21,7 @@ class ComputeConfig:
     hysteresis: int = 2  # overflows tolerated before the scale first halves (Megatron: --hysteresis)
     recompute: str = "none"  # none | selective (keep matmul outputs, redo the rest) | full (redo whole blocks)
     recompute_layers: int = 0  # recompute only the first N blocks; 0: all (Megatron: --recompute-num-layers)
+    # off | tensorwise | rowwise: the dense layers' weight matmuls in fp8 through torchao (``fxmega.ops.fp8``)
+    fp8: str = "off"
     kernels: str = "reference"  # reference (compiled PyTorch) | triton (hand-written norms and cross-entropy, CUDA)
     loss_chunk: int = 0  # tokens per cross-entropy chunk: fp32 logits exist for one chunk at a time; 0: whole batch

@@ -16,7 +16,7 @@ from fxmega.config import RunConfig
 from fxmega.core.errors import ConfigError
 from fxmega.models import family_name
 from fxmega.models.family import ModelFamily
-from fxmega.ops import kernels
+from fxmega.ops import fp8, kernels
 from fxmega.ops.objectives import Objective
 from fxmega.optim.optimizer import optimizer_for
 from fxmega.parallel.distributed import checked_plan
@@ -55,6 +55,13 @@ def check_compute(cfg: RunConfig, plan: ShardingPlan | None, device: torch.devic
     and mesh cannot honour (no silent fallback)."""
     c, t = cfg.compute, cfg.train
     kernels.check_available(c.kernels, device)
+    if c.fp8 != "off":
+        if plan is not None:
+            raise ConfigError(f"compute.fp8={c.fp8} is tested on one device so far; this run is on a mesh of "
+                              f"{plan.mesh.world_size} ranks, where dynamic scales over a rank's slice of a tensor "
+                              f"differ from one device's until the meshes land with their parity tests: drop "
+                              f"--fp8, or run on one device")
+        fp8.recipe_for(c.fp8, device)  # torchao is installed
     if t.cuda_graphs:
         if device.type != "cuda":
             raise ConfigError(f"train.cuda_graphs=true replays the step's GPU kernels from a captured CUDA graph; this "

@@ -20,7 +20,7 @@ from fxmega.data.sources import build_data
 from fxmega.inference.model_loader import LoadedModel, load_model
 from fxmega.models import lm_loss_sum, loss_by_pieces
 from fxmega.models.family import ModelConfig, ModelFamily
-from fxmega.ops import kernels, recompute
+from fxmega.ops import fp8, kernels, matmul, recompute
 from fxmega.ops.objectives import Objective, global_count
 from fxmega.optim.adamw import AdamW, AdamWHyper
 from fxmega.optim.optimizer import ParamRole
@@ -103,7 +103,7 @@ def mean_loss(cfg: RunConfig, valid_data: Any, sums: Callable[[list[Batch]], tor
     t = cfg.train
     total = torch.zeros((), device=device)
     count = 0.0
-    with kernels.use(cfg.compute.kernels):
+    with kernels.use(cfg.compute.kernels), matmul.use(fp8.recipe_for(cfg.compute.fp8, device)):
         for i in range(t.eval_iters):
             batch = valid_data.global_batch(i, t.global_batch_size)
             count += float(global_count([batch]))

@@ -24,7 +24,7 @@ from fxmega.inference.generate_parallel import generate_on_mesh
 from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq, is_encoder_decoder
 from fxmega.models import loss_by_pieces, model_for
 from fxmega.models.family import ModelFamily
-from fxmega.ops import aux_loss, kernels, recompute, tied_embedding_grad
+from fxmega.ops import aux_loss, fp8, kernels, matmul, recompute, tied_embedding_grad
 from fxmega.ops.init import init_params
 from fxmega.ops.objectives import Objective
 from fxmega.optim.optimizer import init_state, optimizer_for
@@ -83,6 +83,7 @@ class Run:
         if t.deterministic:
             set_deterministic()
         self.compute_dtype = precision.compute_dtype(cfg.compute.precision)
+        self.matmul_recipe = fp8.recipe_for(cfg.compute.fp8, self.device)  # plain unless compute.fp8
         self.specs = self.model.param_specs(cfg.model)
         # the parameters this process holds: all of them, or its pipeline stages' (global paths)
         self.local_specs = self.specs if parallel is None else parallel.specs
@@ -198,7 +199,7 @@ class Run:
         lr = lr_at(self.step, self.cfg.optim, t.steps)
         scale = self.scaler.scale_tensor if self.scaler is not None else None
         s = self.state
-        with kernels.use(self.cfg.compute.kernels):
+        with kernels.use(self.cfg.compute.kernels), matmul.use(self.matmul_recipe):
             s.params, s.opt_state, metrics = self.train_step(s.params, s.opt_state, to_device(micros, self.device), lr,
                                                              n_tokens, loss_scale=scale)
         self._params_stale = self.cfg.parallel.overlap_param_gather

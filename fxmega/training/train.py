@@ -19,6 +19,7 @@ from fxmega.config import RunConfig, to_dict
 from fxmega.core.log import get_logger
 from fxmega.core.memory import peak_bytes, reset_peak
 from fxmega.models import family_name
+from fxmega.ops import fp8
 from fxmega.ops.init import count_params
 from fxmega.parallel.runtime import Parallel
 from fxmega.training import faults, tracking
@@ -65,7 +66,8 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
              f"{', dynamic loss scaling' if c.precision == 'fp16' and not c.loss_scale else ''}), gradient "
              f"reductions in {c.grad_reduce}, recompute {c.recompute}"
              f"{f' (first {c.recompute_layers} blocks)' if c.recompute != 'none' and c.recompute_layers else ''}, "
-             f"{c.kernels} kernels, cross-entropy {f'in chunks of {c.loss_chunk} tokens' if c.loss_chunk else 'whole'}")
+             f"{c.kernels} kernels, cross-entropy {f'in chunks of {c.loss_chunk} tokens' if c.loss_chunk else 'whole'}"
+             f"{'; ' + fp8.describe(c.fp8, run.device) if c.fp8 != 'off' else ''}")
     log.info(f"data: {run.data.description}")
     run_log = RunLog(t.log_jsonl, t.tensorboard_dir, tracking.sinks(cfg, to_dict(cfg))) if main else RunLog()
     result = RunResult(run=run)

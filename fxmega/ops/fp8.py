@@ -1,0 +1,112 @@
+"""fp8 training matmuls through torchao: the precision recipes ``compute.fp8`` names.
+
+A recipe is a ``MatmulRecipe`` (``fxmega.ops.matmul``): each weight matmul the filter
+accepts runs as torchao's ``matmul_with_hp_or_float8_args`` — an autograd function over
+plain tensors, the one ``torchao.float8``'s ``Float8Linear`` calls — which casts both
+operands to fp8 with dynamic scales, multiplies, and in the backward casts the output
+gradient and the operands again for the two gradient matmuls:
+
+- ``tensorwise``: one scale per tensor (amax over all of it); inputs and weights in e4m3,
+  gradients in e5m2 (torchao's default ``Float8LinearConfig``);
+- ``rowwise``: one scale per row of each operand along the dim the matmul reduces, every
+  cast in e4m3, scales rounded down to powers of two (torchao's ``rowwise``, torchtitan's
+  default).
+
+The **filter** keeps everything else in the compute precision, as torchtitan's does: only
+``linear`` matmuls (the dense layers' projections) whose both dims are multiples of 16 (what
+fp8 tensor-core GEMMs take); the router, the routed experts, the output head, attention's
+products, norms and embeddings are untouched. Masters and optimizer state stay fp32.
+
+On a GPU with fp8 tensor cores (compute capability 8.9 or newer) the casts feed
+``torch._scaled_mm``. Elsewhere the recipe runs **emulated** (``Float8LinearConfig(emulate=
+True)``): the same casts and scales, the matmul in fp32 on the dequantised values; that is
+what proves the numerics on CPU, and the run's header says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from fxmega.core.errors import ConfigError
+from fxmega.ops.matmul import PLAIN, MatmulRecipe, plain_matmul
+
+RECIPES = ("tensorwise", "rowwise")
+# block-scaled formats need hardware this build has not been run on: refused with what they need
+NEEDS_HARDWARE = {
+    "mxfp8": "MX block scaling (32-element blocks, e8m0 scales) needs NVIDIA Blackwell (sm100) tensor cores",
+    "nvfp4": "NVFP4 (fp4 e2m1 values with fp8 scales per 16 elements) needs NVIDIA Blackwell (sm100) tensor cores",
+}
+FP8_ROLES = ("linear",)
+DIM_MULTIPLE = 16  # fp8 GEMMs (cuBLASLt's, torch._scaled_mm) need both dims of the weight in multiples of 16
+MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with fp8 tensor cores
+
+
+@dataclass(frozen=True)
+class Fp8Filter:
+    """Which weight matmuls run in fp8: those of ``roles`` whose weight's dims are both
+    multiples of ``multiple``."""
+
+    roles: tuple[str, ...] = FP8_ROLES
+    multiple: int = DIM_MULTIPLE
+
+    def accepts(self, w: torch.Tensor, role: str) -> bool:
+        return role in self.roles and w.dim() == 2 and all(d % self.multiple == 0 for d in w.shape)
+
+    def describe(self) -> str:
+        return f"{'/'.join(self.roles)} matmuls with both dims multiples of {self.multiple}"
+
+
+def check_recipe(name: str) -> None:
+    """``compute.fp8`` is ``off`` or a recipe this build runs."""
+    if name in NEEDS_HARDWARE:
+        raise ConfigError(f"compute.fp8={name}: {NEEDS_HARDWARE[name]}, which this build has not been run on; "
+                          f"use one of {', '.join(RECIPES)} (or off)")
+    if name != "off" and name not in RECIPES:
+        raise ConfigError(f"compute.fp8={name!r}: use one of off, {', '.join(RECIPES)}")
+
+
+def emulated(device: torch.device) -> bool:
+    """Whether fp8 matmuls must be emulated on ``device`` (no fp8 tensor cores)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) < MIN_CAPABILITY
+
+
+def describe(name: str, device: torch.device, fp8_filter: Fp8Filter = Fp8Filter()) -> str:
+    """The header's line: the recipe, where it applies, and whether it is emulated."""
+    if name == "off":
+        return "fp8 off"
+    how = "emulated (fp8 casts and scales, fp32 matmuls: no fp8 tensor cores here)" if emulated(device) \
+        else "on fp8 tensor cores"
+    return f"fp8 {name} on {fp8_filter.describe()}, {how}; router, experts, head, attention in the compute precision"
+
+
+@functools.cache
+def recipe(name: str, emulate: bool, fp8_filter: Fp8Filter = Fp8Filter()) -> MatmulRecipe:
+    """The ``MatmulRecipe`` of ``compute.fp8=name`` (one object per arguments: a traced step
+    guards on the active recipe, so the same one must come back each time)."""
+    check_recipe(name)
+    try:
+        from torchao.float8 import Float8LinearConfig  # the fp8 extra
+        from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+        from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
+    except ImportError as e:
+        raise ConfigError(f"compute.fp8={name} runs through torchao, which is not installed "
+                          f"({e}): pip install 'fxmega[fp8]'") from e
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(name), emulate=emulate)
+    gemm = [config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight]
+    mm_config = LinearMMConfig(*(ScaledMMConfig(emulate, g.use_fast_accum, False, config.pad_inner_dim) for g in gemm))
+
+    def fp8_matmul(x: torch.Tensor, w: torch.Tensor, role: str) -> torch.Tensor:
+        if not fp8_filter.accepts(w, role):
+            return plain_matmul(x, w, role)
+        return matmul_with_hp_or_float8_args.apply(x, w, mm_config, config)
+
+    return MatmulRecipe(f"fp8-{name}", fp8_matmul)
+
+
+def recipe_for(name: str, device: torch.device) -> MatmulRecipe:
+    """The weight matmuls of ``compute.fp8=name`` on ``device``: plain when off."""
+    return PLAIN if name == "off" else recipe(name, emulated(device))
