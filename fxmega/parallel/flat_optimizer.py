@@ -81,9 +81,14 @@ def owner_packing(numels: list[int], world: int) -> list[list[int]]:
     return [sorted(o) for o in owned]
 
 
+def owner_share(numels: list[int], packing: list[list[int]]) -> int:
+    """Elements of each rank's part of a by-owner buffer: the most loaded rank's share."""
+    return max(sum(numels[k] for k in ks) for ks in packing)
+
+
 def owner_buffer_numel(numels: list[int], world: int) -> int:
     """Elements of a by-owner bucket's buffer: ``world`` times the largest rank's share."""
-    return world * max(sum(numels[k] for k in ks) for ks in owner_packing(numels, world))
+    return world * owner_share(numels, owner_packing(numels, world))
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,7 @@ class FlatOptimizerShards:
                 numels = [self.numels[i] for i in members]
                 if by_owner:
                     packing = owner_packing(numels, world)
-                    shard = max(sum(numels[k] for k in ks) for ks in packing)
+                    shard = owner_share(numels, packing)
                     segments = [Segment(members[k], 0, numels[k], shaped=True) for k in packing[index]]
                     pad = shard - sum(s.length for s in segments)
                     packed = tuple(tuple(ks) for ks in packing)
