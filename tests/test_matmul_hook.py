@@ -60,6 +60,7 @@ def test_every_weight_matmul_goes_through_the_hook(name):
     assert torch.isfinite(loss)
     assert not products.outside, f"{name}: matrix products outside ops.matmul: {dict(products.outside)}"
     assert roles["linear"] >= 2 * mcfg.n_layers, roles  # at least q/k/v/o and the MLP per block
+    assert roles["head"] == 1, roles  # the output head, which an fp8 recipe keeps in the compute precision
     assert set(roles) <= set(matmul_hook.ROLES)
     if name == "tiny_moe":
         assert roles["router"] and roles["expert"], roles

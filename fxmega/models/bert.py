@@ -217,7 +217,7 @@ def mlm_logits(params: dict, hidden: torch.Tensor, cfg: Config) -> torch.Tensor:
     m = params["mlm"]
     h = layers.layer_norm(gelu(layers.linear(hidden, m["w"], m["b"])), **m["norm"], eps=cfg.norm_eps)
     h = shard(h, "batch", "ctx", "embed")
-    logits = layers.linear(h, params["embed"]["tokens"].t(), m["b_vocab"])
+    logits = layers.linear(h, params["embed"]["tokens"].t(), m["b_vocab"], role="head")
     return shard(logits, "batch", "ctx", "vocab")
 
 

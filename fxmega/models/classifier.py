@@ -62,7 +62,7 @@ def classifier(family: ModelFamily, cfg: ModelConfig, n_classes: int) -> ModelFa
             with layout.activate(None):  # plain tensors here: the head's math, no layouts
                 p = tree.unflatten_like(head_specs, list(leaves))
                 w = p["classifier"]
-                return layers.linear(pool(p, x, valid, cfg), w["w"], w["b"]).float()
+                return layers.linear(pool(p, x, valid, cfg), w["w"], w["b"], role="head").float()
 
         in_axes = (("batch", "ctx", "embed"), None if valid is None else ("batch", "ctx"), *head_axes)
         return layout.local(on_local, in_axes, OUTPUT_AXES)(x, valid, *tree.leaves(params))

@@ -206,7 +206,7 @@ def pool(params: dict, x: torch.Tensor, valid: torch.Tensor | None, cfg: Config)
 
 def head(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Final LayerNorm and the tied output projection onto the vocabulary."""
-    logits = layers.linear(final_hidden(params, x, cfg), output_weight(params))
+    logits = layers.linear(final_hidden(params, x, cfg), output_weight(params), role="head")
     return shard(logits, "batch", "ctx", "vocab")
 
 

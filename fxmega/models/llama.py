@@ -284,7 +284,8 @@ def pool(params: dict, x: torch.Tensor, valid: torch.Tensor | None, cfg: Config)
 
 def head(params: dict, x: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Final RMSNorm and the output projection onto the vocabulary."""
-    return shard(layers.linear(final_hidden(params, x, cfg), output_weight(params)), "batch", "ctx", "vocab")
+    logits = layers.linear(final_hidden(params, x, cfg), output_weight(params), role="head")
+    return shard(logits, "batch", "ctx", "vocab")
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config,

@@ -402,7 +402,8 @@ def output_weight(params: dict) -> torch.Tensor:
 
 def logits(params: dict, y: torch.Tensor, cfg: Config) -> torch.Tensor:
     """Logits ``[batch, tgt, vocab]`` of the decoder's output ``y``."""
-    out = layers.linear(shard(final_hidden(params, y, cfg), "batch", "ctx", "embed"), output_weight(params))
+    out = layers.linear(shard(final_hidden(params, y, cfg), "batch", "ctx", "embed"), output_weight(params),
+                        role="head")
     return shard(out, "batch", "ctx", "vocab")
 
 

@@ -24,10 +24,10 @@ from fxmega.ops.rope import Rope, apply_rope
 from fxmega.sharding.layout import ContextParallelism, active, context_parallelism, local, shard
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, role: str = "linear") -> torch.Tensor:
     """``x @ w + b`` with ``w`` laid out ``[in, out]`` (the matmul: ``ops.matmul``, which a
-    precision recipe may replace)."""
-    y = matmul(x, w)
+    precision recipe may replace; ``role`` as it names them: ``head`` for an output head)."""
+    y = matmul(x, w, role)
     return y if b is None else y + b
 
 

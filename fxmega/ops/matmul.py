@@ -9,7 +9,8 @@ high precision, as torchtitan's and Megatron's fp8 recipes do:
 - ``linear``: the dense layers' projections (attention q/k/v/o, the MLPs, shared experts);
 - ``expert``: routed experts' products (per expert, batched, or grouped: ``grouped_mm``);
 - ``router``: the MoE router's logits (kept in at least fp32 by ``ops.routing``);
-- ``head``: the output projection onto the vocabulary (and its chunked loss's products).
+- ``head``: an output head: the projection onto the vocabulary (and its chunked loss's
+  products), or a classifier's onto its classes.
 
 Attention's score and value products are activations times activations, not weight
 matmuls, and stay in SDPA / ``ops.attention_blocks``.
