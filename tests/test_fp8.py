@@ -101,9 +101,13 @@ def test_recipes_it_cannot_run_are_refused(name, match):
         _cfg(f"compute.fp8={name}").validate()
 
 
-def test_a_mesh_is_refused_until_its_parity_is_tested():
-    cfg = _cfg("compute.fp8=tensorwise", "parallel.mesh=dp=2")
-    with pytest.raises(ConfigError, match="compute.fp8=tensorwise is tested on one device so far.*mesh of 2 ranks"):
+@pytest.mark.parametrize("mesh,axis", [("cp=2", "cp=2: context parallelism"),
+                                       ("dp=2,ep=2", "ep=2: expert parallelism")])
+def test_meshes_not_yet_shown_equal_to_one_device_are_refused(mesh, axis):
+    model = "tiny_moe" if "ep" in mesh else "tiny_gpt"
+    cfg = override(load(ROOT / "configs" / f"{model}.py"), ["train.micro_batch_size=2", "compute.fp8=tensorwise",
+                                                             f"parallel.mesh={mesh}"])
+    with pytest.raises(ConfigError, match=f"compute.fp8=tensorwise with {axis}"):
         preflight(cfg, model_for(cfg.model), torch.device("cpu"))
 
 
@@ -134,25 +138,29 @@ def test_run_py_fp8_trains_evaluates_saves_resumes_exactly_and_generates(tmp_pat
 TRACK_STEPS = 200
 
 
-def _losses(fp8_recipe: str, data_dir) -> list[float]:
+def _losses(fp8_recipe: str, data_dir, seed: int = 1234) -> list[float]:
     """Eager losses of the tiny GPT on this repository's README (bytes), bf16 compute."""
     cfg = _cfg("train.compile=false", "compute.precision=bf16", f"compute.fp8={fp8_recipe}",
                f"train.steps={TRACK_STEPS}", "train.micro_batch_size=8", f"data.source={ROOT / 'README.md'}",
-               f"data.data_dir={data_dir}")
+               f"data.data_dir={data_dir}", f"train.seed={seed}")
     run = Run(cfg)
     return [run.do_step()["loss"] for _ in range(TRACK_STEPS)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_200_steps_track_the_bf16_run(name, tmp_path):
+def test_200_steps_train_as_well_as_bf16(tmp_path):
     """The same data, seed and schedule in bf16 with and without fp8: the mean loss of the last
-    20 steps within a measured band of 2% of bf16's. Measured on an Intel Xeon (AVX-512),
-    2026-12-06: 0.25% (tensorwise) and 0.39% (rowwise) at step 200 (3.2166 in bf16); the band
-    is 5x that, since fp8 rounding moves the trajectory by amounts no bound predicts step by
-    step, and a broken cast or scale (an inverted scale, a wrong fp8 dtype) lands far outside."""
-    base, got = _losses("off", tmp_path), _losses(name, tmp_path)
-    assert got != base  # fp8 is on
+    20 steps no worse than bf16's by more than twice the spread bf16's own shows over three
+    other seeds, measured here in the same run (fp8 rounding moves the trajectory by amounts
+    no bound predicts step by step; a broken cast or scale lands far outside). Measured on an
+    AMD EPYC, 2026-12-07: bf16 3.2156, tensorwise -2.3%, rowwise -1.9%; bf16 over seeds 1-3
+    3.1433 to 3.2246 (2.5%), and fp8 against bf16 seed for seed from -5.7% to +1.2%."""
     tail = lambda losses: sum(losses[-20:]) / 20  # noqa: E731
-    assert abs(tail(got) - tail(base)) <= 0.02 * tail(base), (tail(got), tail(base))
-    assert tail(base) < 0.6 * base[0]  # and both learned: from ln(256) = 5.5 to about 3.2
+    seeds = [tail(_losses("off", tmp_path, seed)) for seed in (1, 2, 3)]
+    spread = max(seeds) - min(seeds)
+    base = _losses("off", tmp_path)
+    assert tail(base) < 0.6 * base[0]  # bf16 learned: from ln(256) = 5.5 to about 3.2
+    for name in RECIPES:
+        got = _losses(name, tmp_path)
+        assert got != base  # fp8 is on
+        assert tail(got) <= tail(base) + 2 * spread, (name, tail(got), tail(base), spread)

@@ -57,10 +57,7 @@ def check_compute(cfg: RunConfig, plan: ShardingPlan | None, device: torch.devic
     kernels.check_available(c.kernels, device)
     if c.fp8 != "off":
         if plan is not None:
-            raise ConfigError(f"compute.fp8={c.fp8} is tested on one device so far; this run is on a mesh of "
-                              f"{plan.mesh.world_size} ranks, where dynamic scales over a rank's slice of a tensor "
-                              f"differ from one device's until the meshes land with their parity tests: drop "
-                              f"--fp8, or run on one device")
+            fp8.check_mesh(c.fp8, plan.mesh)
         fp8.recipe_for(c.fp8, device)  # torchao is installed
     if t.cuda_graphs:
         if device.type != "cuda":
