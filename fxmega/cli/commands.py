@@ -26,6 +26,7 @@ from fxmega.config import RunConfig, override
 from fxmega.core.errors import ConfigError, FxmegaError
 from fxmega.core.log import get_logger, set_level
 from fxmega.data.tokenizer import build_tokenizer
+from fxmega.inference import harness
 from fxmega.inference.generation_cli import check_generator, generate_fn, generate_texts, load_generator
 from fxmega.inference.model_loader import load_model, recorded, recorded_config, recorded_tokenizer
 from fxmega.inference.seq2seq import is_encoder_decoder
@@ -137,7 +138,8 @@ def _from_checkpoint(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = checkpoint_config(args).validate(None)
     if args.command in ("generate", "serve"):
         check_generator(cfg)
-    job = {"eval": _eval, "generate": lambda c, par, dev: _generate(c, par, dev, args),
+    job = {"eval": lambda c, par, dev: _eval(c, par, dev, args),
+           "generate": lambda c, par, dev: _generate(c, par, dev, args),
            "serve": lambda c, par, dev: _serve(c, par, dev, args)}[args.command]
     return _on_mesh(cfg, argv, job, args.oversubscribe)
 
@@ -223,13 +225,33 @@ def _auto(args: argparse.Namespace) -> int:
     return 0
 
 
-def _eval(cfg: RunConfig, parallel: Parallel | None, device: torch.device | None) -> None:
+def _eval(cfg: RunConfig, parallel: Parallel | None, device: torch.device | None, args: argparse.Namespace) -> None:
+    if args.tasks:
+        _harness(cfg, parallel, device, args)
+        return
     result = evaluate_checkpoint(cfg, parallel, device)
     if parallel is None or parallel.rank == 0:
         print(report(result), flush=True)
         if cfg.train.log_jsonl:
             with open(cfg.train.log_jsonl, "a") as f:
                 f.write(json.dumps(result) + "\n")
+
+
+def _harness(cfg: RunConfig, parallel: Parallel | None, device: torch.device | None,
+             args: argparse.Namespace) -> None:
+    """``eval --tasks``: lm-evaluation-harness's tasks on the checkpoint's model (every rank runs
+    the harness alike; rank 0 prints its table and writes its results)."""
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    manager = harness.task_manager(args.include_path)
+    harness.check_tasks(manager, tasks, args.include_path)
+    run = load_model(cfg, parallel, device, command="eval --tasks")
+    results = harness.evaluate_tasks(run, manager, tasks, limit, args.num_fewshot, cfg.train.micro_batch_size)
+    if run.main:
+        print(harness.report(results), flush=True)
+        if args.output_path:
+            harness.write_results(results, args.output_path)
+            print(f"results written to {args.output_path}", flush=True)
 
 
 def _finetune(args: argparse.Namespace, argv: list[str]) -> int:

@@ -151,6 +151,15 @@ GROUPS: dict[str, list[Flag]] = {
         Flag("--top-p", "nucleus sampling: the smallest set with this mass", options={"type": float, "default": 1.0}),
         Flag("--stop", "a string that ends a completion (repeatable)", options={"action": "append", "default": []}),
     ],
+    "lm-evaluation-harness": [
+        Flag("--tasks", "run these lm-evaluation-harness tasks or groups (comma-separated) instead of the "
+             "validation loss", options={"metavar": "T1,T2"}),
+        Flag("--include-path", "a folder of task YAML files to add to the harness's tasks", options={"metavar": "DIR"}),
+        Flag("--limit", "at most this many examples per task (a fraction below 1: that share)",
+             options={"type": float}),
+        Flag("--num-fewshot", "few-shot examples per prompt (default: each task's own)", options={"type": int}),
+        Flag("--output-path", "also write the harness's results as JSON", options={"metavar": "FILE"}),
+    ],
     "serving": [
         Flag("--host", "the address to listen on", options={"default": "127.0.0.1"}),
         Flag("--port", "the port (0: any free one)", options={"type": int, "default": 8000}),
@@ -198,9 +207,10 @@ COMMANDS: dict[str, Command] = {
     "train": Command("pre-train (the default command)", {g: "*" for g in TRAINING}),
     "finetune": Command("sequence classification on --data-path TRAIN.jsonl ({text, label} lines)",
                         {**{g: "*" for g in TRAINING}, "fine-tuning": "*"}),
-    "eval": Command("loss and perplexity of --load CKPT on the validation split",
-                    {**_READ, "training": _READ["training"] + " --micro-batch-size --global-batch-size --loss-chunk",
-                     "validation": "--eval-iters", "data": "*", "logging": "--log-level --log-jsonl"}),
+    "eval": Command("loss and perplexity of --load CKPT on the validation split, or lm-evaluation-harness "
+                    "--tasks", {**_READ, "training": _READ["training"] + " --micro-batch-size --global-batch-size "
+                                "--loss-chunk", "validation": "--eval-iters", "data": "*",
+                                "logging": "--log-level --log-jsonl", "lm-evaluation-harness": "*"}),
     "generate": Command("complete --prompt texts with --load CKPT", {**_GENERATE, "generation": "*"}),
     # a request names its own max_tokens, temperature, top_p and stop: serve takes none as flags
     "serve": Command("an HTTP completion server for --load CKPT (POST /v1/completions)",

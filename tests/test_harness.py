@@ -1,0 +1,136 @@
+"""lm-evaluation-harness on fxmega checkpoints: the scores it is given equal the model's own
+training forward, and ``run.py eval --tasks`` runs a task and prints the harness's table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxmega.cli import main
+from fxmega.config import load, override
+from fxmega.data.tokenizer import ByteTokenizer
+from fxmega.inference.model_loader import init_model, load_model
+from fxmega.inference.scoring import continuation_logprobs, decoder_for
+from fxmega.models import lm_loss_sum
+from tests.commands import run_py
+from tests.conftest import ROOT
+from tests.tolerance import reduction_rtol, run_lengths
+
+lm_eval = pytest.importorskip("lm_eval", reason="the eval extra (lm-evaluation-harness) is not installed")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from fxmega.inference.harness import harness_model  # noqa: E402
+
+TEXT = "the quick brown fox jumps over the lazy dog. "
+
+
+def _tiny(*overrides: str):
+    cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), ["train.device=cpu", *overrides])
+    run = init_model(cfg)
+    run.tokenizer = ByteTokenizer()
+    return run
+
+
+def _training_forward_logprob(run, context: list[int], continuation: list[int]) -> float:
+    """Minus the training objective's sum over the continuation's targets, the model read as in
+    training: the whole window at once, no cache."""
+    whole = [*context, *continuation][-(run.cfg.model.max_seq_len + 1):]
+    inputs, targets = torch.tensor([whole[:-1]]), torch.tensor([whole[1:]])
+    mask = torch.zeros_like(targets, dtype=torch.float32)
+    mask[0, -len(continuation):] = 1
+    with torch.no_grad():
+        return -float(lm_loss_sum(run.params, {"inputs": inputs, "targets": targets, "loss_mask": mask},
+                                  run.cfg.model))
+
+
+def test_loglikelihood_equals_the_training_forward():
+    """Each continuation's log-probability, scored in left-padded batches of mixed lengths
+    (one context longer than the model's window, so cut to its end), equals minus the
+    training loss summed over the same tokens."""
+    run = _tiny()
+    enc = ByteTokenizer().encode
+    pairs = [(enc("the quick brown"), enc(" fox")), (enc("a"), enc("b")),
+             (enc(TEXT * 3), enc("the end")),  # 142 + 7 tokens: the context keeps its last 57
+             (enc("jumps over the lazy"), enc(" dog."))]
+    got = continuation_logprobs(decoder_for(run), run.cfg.model, pairs, batch_size=3)
+    # the same sums in another order (cached attention, padding, another batch shape): each
+    # token's log-probability goes through the model's reductions; the sum adds the
+    # continuation's length; terms are log-probabilities of magnitude up to ~ln(256)
+    rtol = reduction_rtol(*run_lengths(run.cfg), max(len(c) for _, c in pairs))
+    for (context, continuation), (logprob, _) in zip(pairs, got):
+        want = _training_forward_logprob(run, context, continuation)
+        assert logprob == pytest.approx(want, rel=rtol), (context[-5:], continuation)
+    alone = [continuation_logprobs(decoder_for(run), run.cfg.model, [p], batch_size=1)[0] for p in pairs]
+    assert [a for a, _ in alone] == pytest.approx([g for g, _ in got], rel=rtol)
+
+
+def test_the_harness_model_answers_loglikelihood_with_greedy_flags():
+    """Through lm-eval's own request objects: a continuation that is the model's greedy choice
+    is flagged greedy, and the log-probabilities are the scorer's."""
+    run = _tiny()
+    lm = harness_model(run, batch_size=4)
+    context = "the quick brown"
+    ids = ByteTokenizer().encode(context)
+    logits, _ = decoder_for(run).forward(torch.tensor([ids]), decoder_for(run).init_cache(1, len(ids)), 0,
+                                         torch.zeros(1, dtype=torch.long), len(ids))
+    greedy = bytes([int(logits[0, -1, :256].argmax())]).decode("latin-1")
+    other = chr((ord(greedy) + 1) % 128)
+    requests = [Instance("loglikelihood", {}, (context, c), i) for i, c in enumerate([greedy, other])]
+    answers = lm.loglikelihood(requests)
+    assert [flag for _, flag in answers] == [True, False]
+    want = continuation_logprobs(decoder_for(run), run.cfg.model, [(ids, [ord(greedy)]), (ids, [ord(other)])])
+    assert [a for a, _ in answers] == pytest.approx([w for w, _ in want], rel=1e-6)
+
+
+def _write_task(folder: Path) -> list[dict]:
+    """A multiple-choice task over a local JSONL file: which word ends the sentence (the
+    harness puts its target delimiter, a space, between the question and each choice)."""
+    docs = [{"question": f"the quick brown fox jumps over the {w}", "choices": ["dog", "cat", "fox", "log"],
+             "answer": a} for w, a in (("lazy", 0), ("lazy", 1), ("laz", 0), ("lazy", 2), ("the", 3), ("l", 0))]
+    (folder / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (folder / "tiny_mc.yaml").write_text(f"""task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {folder / 'docs.jsonl'}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+""")
+    return docs
+
+
+@pytest.mark.slow
+def test_run_py_eval_tasks_prints_the_harness_table(tmp_path):
+    """``run.py eval --load CKPT --tasks tiny_mc --include-path DIR``: the harness's table, and
+    an accuracy equal to the one computed from the scorer's log-probabilities directly."""
+    corpus, ckpt, out = tmp_path / "corpus.txt", tmp_path / "ckpt", tmp_path / "results.json"
+    corpus.write_text(TEXT * 200)
+    assert main(["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--data-path", str(corpus), "--steps", "20",
+                 "--no-compile", "--no-progress", "--save", str(ckpt)]) == 0
+    docs = _write_task(tmp_path)
+    done = run_py("eval", "--load", str(ckpt), "--tasks", "tiny_mc", "--include-path", str(tmp_path),
+                  "--output-path", str(out))
+    assert "|tiny_mc|" in done.stdout and "|acc   |" in done.stdout, done.stdout
+    acc = json.loads(out.read_text())["results"]["tiny_mc"]["acc,none"]
+
+    cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), [f"train.load_dir={ckpt}", "train.device=cpu"])
+    run = load_model(cfg, with_tokenizer=False)
+    enc = ByteTokenizer().encode
+    correct = 0
+    for doc in docs:
+        scores = continuation_logprobs(decoder_for(run), run.cfg.model,
+                                       [(enc(doc["question"]), enc(" " + c)) for c in doc["choices"]])
+        correct += max(range(len(scores)), key=lambda i: scores[i][0]) == doc["answer"]
+    assert acc == pytest.approx(correct / len(docs))
+    assert 0 < correct < len(docs)  # the task tells answers apart: neither all right nor all wrong
