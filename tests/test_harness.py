@@ -11,6 +11,7 @@ import torch
 
 from fxmega.cli import main
 from fxmega.config import load, override
+from fxmega.core.errors import ConfigError
 from fxmega.data.tokenizer import ByteTokenizer
 from fxmega.inference.model_loader import init_model, load_model
 from fxmega.inference.scoring import continuation_logprobs, decoder_for
@@ -134,3 +135,42 @@ def test_run_py_eval_tasks_prints_the_harness_table(tmp_path):
         correct += max(range(len(scores)), key=lambda i: scores[i][0]) == doc["answer"]
     assert acc == pytest.approx(correct / len(docs))
     assert 0 < correct < len(docs)  # the task tells answers apart: neither all right nor all wrong
+
+
+class _BytesWithEnd(ByteTokenizer):
+    """Bytes, with byte 0 standing for the end of a text (the harness's prefix token)."""
+
+    eod = 0
+
+
+def test_rolling_loglikelihood_scores_every_token_once_after_the_end_of_text_token():
+    """A text that fits the context: the one rolling window is the text after the end-of-text
+    token, every token scored, as the training objective scores it. A longer text: the sum
+    of the harness's disjoint windows, each token counted once. The byte tokenizer, which has
+    no end-of-text token, is refused with the reason."""
+    run = _tiny()
+    run.tokenizer = _BytesWithEnd()
+    lm = harness_model(run, batch_size=4)
+    short, long = "the quick brown fox", TEXT * 3
+    got = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), i)
+                                    for i, text in enumerate([short, long])])
+    ids = _BytesWithEnd().encode(short)
+    rtol = reduction_rtol(*run_lengths(run.cfg), len(TEXT) * 3)
+    assert got[0] == pytest.approx(_training_forward_logprob(run, [0], ids), rel=rtol)
+    windows = [lm_eval.utils.make_disjoint_window(w) for w in
+               lm_eval.utils.get_rolling_token_windows(_BytesWithEnd().encode(long), 0, run.cfg.model.max_seq_len, 1)]
+    assert len(windows) > 1 and sum(len(c) for _, c in windows) == len(long)
+    assert got[1] == pytest.approx(sum(_training_forward_logprob(run, c, t) for c, t in windows), rel=rtol)
+    run.tokenizer = ByteTokenizer()
+    with pytest.raises(ConfigError, match="byte tokenizer has no end-of-text token"):
+        harness_model(run, batch_size=4).loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (short,), 0)])
+
+
+def test_generate_until_is_greedy_generation_cut_at_the_stop_strings():
+    run = _tiny()
+    lm = harness_model(run, batch_size=4)
+    free = lm.generate_until([Instance("generate_until", {}, ("the quick", {"until": [], "max_gen_toks": 12}), 0)])[0]
+    assert len(free) >= 5  # 12 bytes, some decoded as replacement characters
+    stop = free[3:5]
+    cut = lm.generate_until([Instance("generate_until", {}, ("the quick", {"until": [stop], "max_gen_toks": 12}), 0)])
+    assert cut == [free[:free.index(stop)]]
