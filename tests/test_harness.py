@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxmega.cli import main
+from fxmega.cli import main, parse_args
+from fxmega.cli.commands import checkpoint_config
 from fxmega.config import load, override
 from fxmega.core.errors import ConfigError
-from fxmega.data.tokenizer import ByteTokenizer
+from fxmega.data.tokenizer import ByteTokenizer, _bytes_to_unicode
 from fxmega.inference.model_loader import init_model, load_model
 from fxmega.inference.scoring import continuation_logprobs, decoder_for
 from fxmega.models import lm_loss_sum
@@ -23,6 +24,7 @@ from tests.tolerance import reduction_rtol, run_lengths
 lm_eval = pytest.importorskip("lm_eval", reason="the eval extra (lm-evaluation-harness) is not installed")
 
 from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
 
 from fxmega.inference.harness import harness_model  # noqa: E402
 
@@ -174,3 +176,57 @@ def test_generate_until_is_greedy_generation_cut_at_the_stop_strings():
     stop = free[3:5]
     cut = lm.generate_until([Instance("generate_until", {}, ("the quick", {"until": [stop], "max_gen_toks": 12}), 0)])
     assert cut == [free[:free.index(stop)]]
+
+
+def _hf_gpt2_with_byte_tokenizer(folder: Path) -> None:
+    """A tiny random GPT-2 saved as Hugging Face saves one, with a byte-level tokenizer (each
+    byte one token, plus an end-of-text token): what both lm-eval's ``hf`` model and
+    ``run.py convert --from-hf`` read."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    alphabet = _bytes_to_unicode()  # GPT-2's printable stand-ins for bytes
+    vocab = {alphabet[b]: b for b in range(256)}
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    transformers.PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), eos_token="<|endoftext|>",
+                                         bos_token="<|endoftext|>").save_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=257, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0,
+                                  embd_pdrop=0, attn_pdrop=0, bos_token_id=256, eos_token_id=256)
+    model = transformers.GPT2LMHeadModel(cfg)
+    with torch.no_grad():  # weights large enough that choices differ by more than rounding
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    model.save_pretrained(folder)
+
+
+@pytest.mark.slow
+def test_scores_equal_lm_evals_own_hf_model_on_the_same_weights(tmp_path):
+    """One GPT-2's weights, read by lm-eval's ``hf`` model (transformers) and imported into
+    fxmega: every loglikelihood request of a multiple-choice task gets the same answer from
+    both (within the rounding of two float32 forwards), and ``run.py eval --tasks`` reports
+    the accuracy the ``hf`` model gets."""
+    hf_dir, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "results.json"
+    _hf_gpt2_with_byte_tokenizer(hf_dir)
+    assert main(["convert", "--from-hf", str(hf_dir), "--save", str(ckpt)]) == 0
+    docs = _write_task(tmp_path)
+    hf = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=4)
+    cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), [f"train.load_dir={ckpt}", "train.device=cpu"])
+    ours = harness_model(load_model(checkpoint_config(parse_args(["eval", "--load", str(ckpt)]))), batch_size=4)
+    requests = [Instance("loglikelihood", {}, (d["question"], " " + c), i)
+                for i, d in enumerate(docs) for c in d["choices"]]
+    got, want = ours.loglikelihood(requests), hf.loglikelihood(requests)
+    rtol = reduction_rtol(*run_lengths(cfg), 8)
+    assert [g for g, _ in got] == pytest.approx([w for w, _ in want], rel=rtol)
+    assert [g for _, g in got] == [w for _, w in want]
+
+    reference = lm_eval.simple_evaluate(model=hf, tasks=["tiny_mc"], bootstrap_iters=0, log_samples=False,
+                                        task_manager=lm_eval.tasks.TaskManager(include_path=str(tmp_path)))
+    run_py("eval", "--load", str(ckpt), "--tasks", "tiny_mc", "--include-path", str(tmp_path), "--output-path",
+           str(out))
+    acc = json.loads(out.read_text())["results"]["tiny_mc"]["acc,none"]
+    assert acc == reference["results"]["tiny_mc"]["acc,none"]
