@@ -3,8 +3,10 @@ training forward, and ``run.py eval --tasks`` runs a task and prints the harness
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from fxmega.cli import main, parse_args
 from fxmega.cli.commands import checkpoint_config
 from fxmega.config import load, override
 from fxmega.core.errors import ConfigError
+from fxmega.data.corpus import ensure_shakespeare
 from fxmega.data.tokenizer import ByteTokenizer, _bytes_to_unicode
 from fxmega.inference.model_loader import init_model, load_model
 from fxmega.inference.scoring import continuation_logprobs, decoder_for
@@ -113,19 +116,32 @@ metric_list:
     return docs
 
 
+def _example_tasks() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("harness_tasks", ROOT / "examples" / "harness" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.mark.slow
 def test_run_py_eval_tasks_prints_the_harness_table(tmp_path):
-    """``run.py eval --load CKPT --tasks tiny_mc --include-path DIR``: the harness's table, and
-    an accuracy equal to the one computed from the scorer's log-probabilities directly."""
+    """``run.py eval --load CKPT --tasks ... --include-path DIR`` with a hand-made multiple-choice
+    task and the two example tasks (examples/harness: a multiple-choice cloze and a generation
+    task over Shakespeare): the harness's table with each task's metric, and the hand-made
+    task's accuracy equal to the one computed from the scorer's log-probabilities directly."""
     corpus, ckpt, out = tmp_path / "corpus.txt", tmp_path / "ckpt", tmp_path / "results.json"
     corpus.write_text(TEXT * 200)
     assert main(["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--data-path", str(corpus), "--steps", "20",
                  "--no-compile", "--no-progress", "--save", str(ckpt)]) == 0
     docs = _write_task(tmp_path)
-    done = run_py("eval", "--load", str(ckpt), "--tasks", "tiny_mc", "--include-path", str(tmp_path),
-                  "--output-path", str(out))
-    assert "|tiny_mc|" in done.stdout and "|acc   |" in done.stdout, done.stdout
-    acc = json.loads(out.read_text())["results"]["tiny_mc"]["acc,none"]
+    _example_tasks().build(ensure_shakespeare(ROOT / "data", quiet=True).read_text(), tmp_path, n=8)
+    done = run_py("eval", "--load", str(ckpt), "--tasks", "tiny_mc,shakespeare_cloze,shakespeare_lines",
+                  "--include-path", str(tmp_path), "--output-path", str(out))
+    for row in ("|tiny_mc          |", "|shakespeare_cloze|", "|shakespeare_lines|", "|acc ", "|exact_match|"):
+        assert row in done.stdout, (row, done.stdout)
+    results = json.loads(out.read_text())["results"]
+    assert 0 <= results["shakespeare_lines"]["exact_match,none"] <= 1
+    acc = results["tiny_mc"]["acc,none"]
 
     cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), [f"train.load_dir={ckpt}", "train.device=cpu"])
     run = load_model(cfg, with_tokenizer=False)
