@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import urllib.request
 from pathlib import Path
 from types import ModuleType
 
@@ -20,7 +21,7 @@ from fxmega.data.tokenizer import ByteTokenizer, _bytes_to_unicode
 from fxmega.inference.model_loader import init_model, load_model
 from fxmega.inference.scoring import continuation_logprobs, decoder_for
 from fxmega.models import lm_loss_sum
-from tests.commands import run_py
+from tests.commands import run_py, serving
 from tests.conftest import ROOT
 from tests.tolerance import reduction_rtol, run_lengths
 
@@ -123,16 +124,23 @@ def _example_tasks() -> ModuleType:
     return module
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A tiny GPT trained 20 eager steps on a repeated sentence (byte tokens), saved."""
+    folder = tmp_path_factory.mktemp("trained")
+    (folder / "corpus.txt").write_text(TEXT * 200)
+    assert main(["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--data-path", str(folder / "corpus.txt"),
+                 "--steps", "20", "--no-compile", "--no-progress", "--save", str(folder / "ckpt")]) == 0
+    return folder / "ckpt"
+
+
 @pytest.mark.slow
-def test_run_py_eval_tasks_prints_the_harness_table(tmp_path):
+def test_run_py_eval_tasks_prints_the_harness_table(trained, tmp_path):
     """``run.py eval --load CKPT --tasks ... --include-path DIR`` with a hand-made multiple-choice
     task and the two example tasks (examples/harness: a multiple-choice cloze and a generation
     task over Shakespeare): the harness's table with each task's metric, and the hand-made
     task's accuracy equal to the one computed from the scorer's log-probabilities directly."""
-    corpus, ckpt, out = tmp_path / "corpus.txt", tmp_path / "ckpt", tmp_path / "results.json"
-    corpus.write_text(TEXT * 200)
-    assert main(["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--data-path", str(corpus), "--steps", "20",
-                 "--no-compile", "--no-progress", "--save", str(ckpt)]) == 0
+    ckpt, out = trained, tmp_path / "results.json"
     docs = _write_task(tmp_path)
     _example_tasks().build(ensure_shakespeare(ROOT / "data", quiet=True).read_text(), tmp_path, n=8)
     done = run_py("eval", "--load", str(ckpt), "--tasks", "tiny_mc,shakespeare_cloze,shakespeare_lines",
@@ -246,3 +254,28 @@ def test_scores_equal_lm_evals_own_hf_model_on_the_same_weights(tmp_path):
            str(out))
     acc = json.loads(out.read_text())["results"]["tiny_mc"]["acc,none"]
     assert acc == reference["results"]["tiny_mc"]["acc,none"]
+
+
+@pytest.mark.slow
+def test_lm_evals_local_completions_against_run_py_serve_scores_as_the_direct_run(trained, tmp_path):
+    """``lm_eval --model local-completions`` pointed at ``run.py serve``: the harness reads the
+    served tokenizer (/tokenize), sends token ids with echo and logprobs, and gets the same
+    log-probabilities, greedy flags and task accuracy as fxmega's model answering directly."""
+    docs = _write_task(tmp_path)
+    direct = harness_model(load_model(checkpoint_config(parse_args(["eval", "--load", str(trained)]))), batch_size=4)
+    requests = [Instance("loglikelihood", {}, (d["question"], " " + c), i)
+                for i, d in enumerate(docs) for c in d["choices"]]
+    manager = lm_eval.tasks.TaskManager(include_path=str(tmp_path))
+    want = lm_eval.simple_evaluate(model=direct, tasks=["tiny_mc"], task_manager=manager, bootstrap_iters=0)
+    with serving(["--load", str(trained)]) as url:  # the completions URL the server prints
+        with urllib.request.urlopen(url.replace("/v1/completions", "/v1/models"), timeout=30) as r:
+            name = json.loads(r.read())["data"][0]["id"]
+        served = lm_eval.api.registry.get_model("local-completions")(
+            base_url=url, model=name, tokenizer_backend="remote", batch_size=4,
+            max_length=direct.context - 1, num_concurrent=1, max_retries=1)
+        got = served.loglikelihood(requests)
+        scored = lm_eval.simple_evaluate(model=served, tasks=["tiny_mc"], task_manager=manager, bootstrap_iters=0)
+    expected = direct.loglikelihood(requests)
+    assert [g for g, _ in got] == pytest.approx([e for e, _ in expected], rel=1e-6)  # the same forward, batched alike
+    assert [g for _, g in got] == [e for _, e in expected]
+    assert scored["results"]["tiny_mc"]["acc,none"] == want["results"]["tiny_mc"]["acc,none"]

@@ -4,6 +4,7 @@ directly, list prompts, stop strings, and a 4xx naming the field for each bad re
 import dataclasses
 import http.client
 import json
+import re
 import urllib.error
 import urllib.request
 from functools import partial
@@ -13,7 +14,8 @@ import pytest
 from fxmega.config import load
 from fxmega.data.instructions import END, prompt_text
 from fxmega.data.tokenizer import ByteTokenizer
-from fxmega.inference.generate import generate_cached
+from fxmega.inference.generate import LocalDecoder, generate_cached
+from fxmega.inference.scoring import token_scores
 from fxmega.inference.serve import serve
 from fxmega.models import gpt
 from fxmega.ops.init import init_params
@@ -270,3 +272,83 @@ def test_a_stopped_server_refuses_connections():
     srv.stop()
     with pytest.raises(urllib.error.URLError):
         request(srv, "/health", method="GET")
+
+
+@pytest.fixture(scope="module")
+def scoring_server(model):
+    cfg, params = model
+    srv = serve(partial(generate_cached, gpt, params, cfg), ByteTokenizer(), "127.0.0.1", 0, max_prompt_tokens=60,
+                max_new_tokens_limit=16, max_context=cfg.max_seq_len, model_name="tiny-gpt",
+                score_fn=partial(token_scores, LocalDecoder(gpt, params, cfg), cfg))
+    yield srv
+    srv.stop()
+
+
+def test_echo_with_logprobs_scores_the_prompt_and_the_completion(scoring_server, model):
+    """What lm-eval's local-completions sends to score a continuation: token ids, echo,
+    logprobs=1, max_tokens=1. The prompt comes back before the completion; every token but the
+    first has the model's log-probability given those before it, and its most likely
+    alternative, which is the greedy completion's own token."""
+    cfg, params = model
+    ids = ByteTokenizer().encode("the quick brown")
+    status, body, _ = request(scoring_server, "/v1/completions", {"prompt": [ids], "max_tokens": 1, "echo": True,
+                                                                  "logprobs": 1, "temperature": 0})
+    assert status == 200, body
+    (choice,) = body["choices"]
+    new = generate_cached(gpt, params, cfg, [ids], 1)[0]
+    assert choice["text"] == "the quick brown" + ByteTokenizer().decode(new)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [chr(t) for t in ids + new] and lp["text_offset"] == list(range(len(ids) + 1))
+    want = token_scores(LocalDecoder(gpt, params, cfg), cfg, [ids + new], top=1)[0]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(want.logprobs, rel=1e-6)
+    assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
+    assert max(lp["top_logprobs"][-1].values()) == pytest.approx(lp["token_logprobs"][-1])  # greedy
+
+
+def test_logprobs_without_echo_cover_the_completion(scoring_server, model):
+    cfg, params = model
+    status, body, _ = request(scoring_server, "/v1/completions", {"prompt": "Hello", "max_tokens": 4,
+                                                                  "logprobs": 3, "temperature": 0})
+    assert status == 200, body
+    ids = ByteTokenizer().encode("Hello")
+    new = generate_cached(gpt, params, cfg, [ids], 4)[0]
+    lp = body["choices"][0]["logprobs"]
+    want = token_scores(LocalDecoder(gpt, params, cfg), cfg, [ids + new], top=3)[0]
+    assert lp["token_logprobs"] == pytest.approx(want.logprobs[len(ids) - 1:], rel=1e-6)
+    assert lp["text_offset"][0] == len("Hello") and all(1 <= len(top) <= 3 for top in lp["top_logprobs"])
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt_alone(scoring_server):
+    status, body, _ = request(scoring_server, "/v1/completions", {"prompt": "abc", "max_tokens": 0, "echo": True,
+                                                                  "logprobs": 0})
+    assert status == 200, body
+    assert body["choices"][0]["text"] == "abc" and body["usage"]["completion_tokens"] == 0
+    assert len(body["choices"][0]["logprobs"]["token_logprobs"]) == 3
+
+
+@pytest.mark.parametrize("body,param,message", [
+    ({"prompt": "hi", "logprobs": 6}, "logprobs", "logprobs=6 must be between 0 and 5"),
+    ({"prompt": "hi", "echo": "yes"}, "echo", "echo must be true or false"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens", "max_tokens=0 must be between 1 and 16"),
+    ({"prompt": [[1, 2], [3, 999]]}, "prompt", r"prompt\[1\] holds token ids outside the tokenizer's vocabulary"),
+    ({"prompt": [1, True]}, "prompt", "prompt must be a string, a non-empty list of strings, a list of token ids"),
+])
+def test_bad_scoring_requests_are_refused(scoring_server, body, param, message):
+    status, got, _ = request(scoring_server, "/v1/completions", body)
+    assert status == 400 and got["error"]["param"] == param
+    assert re.search(message, got["error"]["message"]), got
+
+
+def test_logprobs_are_refused_by_a_server_without_a_scorer(server):
+    status, got, _ = request(server, "/v1/completions", {"prompt": "hi", "logprobs": 1})
+    assert status == 400 and "not scored token by token" in got["error"]["message"]
+
+
+def test_the_tokenizer_endpoints(scoring_server):
+    assert request(scoring_server, "/tokenize", {"prompt": "hé", "add_special_tokens": False})[1] == \
+        {"tokens": [104, 195, 169], "count": 3, "max_model_len": 64}
+    assert request(scoring_server, "/detokenize", {"tokens": [104, 195, 169]})[1] == {"prompt": "hé"}
+    info = request(scoring_server, "/tokenizer_info", method="GET")[1]
+    assert info["eos_token"] is None and info["model_max_length"] == 64  # bytes: no end-of-text token
+    assert request(scoring_server, "/detokenize", {"tokens": [300]})[0] == 400

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ from fxmega.inference.generation_cli import check_generator, generate_fn, genera
 from fxmega.inference.model_loader import load_model, recorded, recorded_config, recorded_tokenizer
 from fxmega.inference.seq2seq import is_encoder_decoder
 from fxmega.inference.serve import serve
-from fxmega.inference.serve_mesh import Leader, follow
+from fxmega.inference.serve_mesh import Leader, follow, score_on_mesh
 from fxmega.models import family_name, model_for
 from fxmega.ops.init import count_params
 from fxmega.parallel import distributed
@@ -302,9 +303,12 @@ def _serve(cfg: RunConfig, parallel: Parallel | None, device: torch.device | Non
         sys.stdout.flush()
         os._exit(0)  # no teardown barrier: rank 0 may be gone already
     leader = Leader(run, cfg.parallel.timeout_s / 4) if parallel is not None else None
+    # logprobs are a decoder's token-by-token scores; an encoder-decoder's are not served
+    score_fn = None if is_encoder_decoder(run.model) else leader.score if leader is not None else \
+        functools.partial(score_on_mesh, run)
     server = serve(leader or generate_fn(run), run.tokenizer, args.host, args.port,
                    max_context=cfg.model.max_seq_len, max_prompt_tokens=cfg.model.max_seq_len - 1,
-                   model_name=cfg.name)
+                   model_name=cfg.name, score_fn=score_fn)
     where = f"mesh {parallel.groups.mesh.describe()}; " if parallel is not None else ""
     log.info(f"serving {cfg.name} on {server.url}/v1/completions and /v1/chat/completions ({where}Ctrl-C stops)")
     # a launcher stops its workers with SIGTERM: stop as on Ctrl-C, so the followers are sent home

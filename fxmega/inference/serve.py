@@ -4,7 +4,13 @@
 /v1/chat/completions`` OpenAI's chat JSON (the conversation rendered with fxmega's chat
 template, ``fxmega.data.instructions``, and answered in the assistant's turn up to the
 template's end of message); ``GET /v1/models`` lists the one served model (so that OpenAI's
-clients find it), and ``GET /health`` says the server is up. The model is any
+clients find it), and ``GET /health`` says the server is up. A completion request may give its
+prompt as token ids, and ask for ``echo`` (the prompt returned before the completion) and
+``logprobs`` (each returned token's log-probability and its ``logprobs`` most likely
+alternatives, from ``score_fn``: ``fxmega.inference.scoring.token_scores``), which is how
+lm-evaluation-harness's ``local-completions`` model scores a task against a server; ``GET
+/tokenizer_info``, ``POST /tokenize`` and ``POST /detokenize`` give it the served tokenizer, as
+vLLM's server does. The model is any
 ``generate_fn(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed) -> new
 tokens per prompt``; for an fxmega model that is ``functools.partial(generate_cached, model,
 params, cfg)``, which stops at a stop token without returning it (see ``fxmega.inference.generate``)::
@@ -49,8 +55,11 @@ from urllib.parse import urlsplit
 
 from fxmega.data.instructions import END, ROLES, prompt_text
 from fxmega.data.tokenizer import Tokenizer
+from fxmega.inference.scoring import TokenScores
 
 GenerateFn = Callable[..., list[list[int]]]
+ScoreFn = Callable[[list[list[int]], int], list[TokenScores]]  # (sequences, top) -> scores: scoring.token_scores
+MAX_LOGPROBS = 5  # alternatives per position, as OpenAI's completions API allows
 
 
 @dataclass(frozen=True)
@@ -67,7 +76,7 @@ class Limits:
 
 # fields of OpenAI's API this server does not implement, with the values that mean "off" (or null):
 # a request asking for them is refused rather than silently answered without them
-UNSUPPORTED = {"stream": (False,), "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (), "suffix": (),
+UNSUPPORTED = {"stream": (False,), "n": (1,), "best_of": (1,), "suffix": (),
                "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},)}
 # fields of OpenAI's chat API beyond the completion API's that this server does not implement
 CHAT_UNSUPPORTED = {"tools": (), "tool_choice": (), "functions": (), "function_call": (), "response_format": (),
@@ -101,6 +110,9 @@ class Completion:
     stop: list[str]
     seed: int
     source: str = "prompt"  # the field the prompt came from, for errors about its length
+    prompt_ids: list[list[int]] | None = None  # prompts given as token ids (then ``prompts`` is empty)
+    echo: bool = False  # the prompt is returned before the completion (and scored with logprobs)
+    logprobs: int | None = None  # the returned tokens' log-probabilities, with this many alternatives each
 
 
 def parse_request(body: Any, limits: Limits) -> Completion:
@@ -115,18 +127,16 @@ def parse_request(body: Any, limits: Limits) -> Completion:
                                     f"{name} out", name)
     if "prompt" not in body:
         raise RequestError(400, 'prompt is required: a string or a list of strings, e.g. "prompt": "Hello"', "prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = prompt
-    else:
-        raise RequestError(400, f"prompt must be a string or a non-empty list of strings, not "
-                                f"{_describe(prompt)}", "prompt")
-    if len(prompts) > limits.max_prompts:
-        raise RequestError(400, f"prompt is a list of {len(prompts)} strings; at most {limits.max_prompts} per "
-                                f"request: split it into several requests", "prompt")
-    max_tokens = _integer(body, "max_tokens", 16, 1, limits.max_new_tokens)
+    prompts, prompt_ids = _prompts(body["prompt"])
+    if len(prompts or prompt_ids) > limits.max_prompts:
+        raise RequestError(400, f"prompt is a list of {len(prompts or prompt_ids)} prompts; at most "
+                                f"{limits.max_prompts} per request: split it into several requests", "prompt")
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise RequestError(400, f"echo must be true or false, not {json.dumps(echo)}", "echo")
+    logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    # with echo, max_tokens 0 scores the prompt alone (OpenAI allows it)
+    max_tokens = _integer(body, "max_tokens", 16, 0 if echo else 1, limits.max_new_tokens)
     temperature = _number(body, "temperature", 1.0)
     if temperature < 0:
         raise RequestError(400, f"temperature={temperature} must be 0 (greedy) or more", "temperature")
@@ -137,7 +147,24 @@ def parse_request(body: Any, limits: Limits) -> Completion:
     top_k = _integer(body, "top_k", 0, 0, None)
     seed = _integer(body, "seed", None, 0, 2**63 - 1)
     return Completion(prompts, max_tokens, temperature, top_p, top_k, _stops(body, limits),
-                      secrets.randbits(63) if seed is None else seed)
+                      secrets.randbits(63) if seed is None else seed, prompt_ids=prompt_ids, echo=echo,
+                      logprobs=logprobs)
+
+
+def _prompts(prompt: Any) -> tuple[list[str], list[list[int]] | None]:
+    """``prompt`` as texts, or as token ids (OpenAI takes a list of ids, or a list of such
+    lists, in place of text): ``(texts, None)`` or ``([], ids)``."""
+    if isinstance(prompt, str):
+        return [prompt], None
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return prompt, None
+    is_ids = lambda x: isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    if is_ids(prompt):
+        return [], [prompt]
+    if isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
+        return [], prompt
+    raise RequestError(400, f"prompt must be a string, a non-empty list of strings, a list of token ids or a list "
+                            f"of such lists, not {_describe(prompt)}", "prompt")
 
 
 def parse_chat_request(body: Any, limits: Limits) -> Completion:
@@ -228,9 +255,10 @@ class CompletionServer(ThreadingHTTPServer):
     daemon_threads = True  # a hung client never keeps the process alive
 
     def __init__(self, generate_fn: GenerateFn, tokenizer: Tokenizer, host: str = "127.0.0.1", port: int = 0,
-                 limits: Limits = Limits(), model_name: str = "fxmega", log_requests: bool = False) -> None:
+                 limits: Limits = Limits(), model_name: str = "fxmega", log_requests: bool = False,
+                 score_fn: ScoreFn | None = None) -> None:
         super().__init__((host, port), _Handler)
-        self.generate_fn, self.tokenizer, self.limits = generate_fn, tokenizer, limits
+        self.generate_fn, self.tokenizer, self.limits, self.score_fn = generate_fn, tokenizer, limits, score_fn
         self.model_name, self.log_requests = model_name, log_requests
         self.started = int(time.time())  # GET /v1/models' "created"
         self._generating = threading.Lock()
@@ -257,12 +285,19 @@ class CompletionServer(ThreadingHTTPServer):
     def complete(self, request: Completion) -> dict:
         """The response body for a validated request."""
         tok, limits = self.tokenizer, self.limits
-        encoded = [tok.encode(p) for p in request.prompts]
+        if request.logprobs is not None and self.score_fn is None:
+            raise RequestError(400, "logprobs: the served model is not scored token by token here (a decoder-only "
+                                    "model is; an encoder-decoder is not); leave logprobs out", "logprobs")
+        encoded = request.prompt_ids or [tok.encode(p) for p in request.prompts]
+        vocab = tok.vocab_size
         for i, ids in enumerate(encoded):
             name = request.source if len(encoded) == 1 else f"{request.source}[{i}]"
             name += " (with the chat template)" if request.source == "messages" else ""
             if not ids:
                 raise RequestError(400, f"{name} encodes to no tokens: give some text to continue", request.source)
+            if request.prompt_ids is not None and not all(0 <= t < vocab for t in ids):
+                raise RequestError(400, f"{name} holds token ids outside the tokenizer's vocabulary [0, {vocab})",
+                                   request.source)
             if len(ids) > limits.max_prompt_tokens:
                 raise RequestError(400, f"{name} is {len(ids)} tokens, more than the {limits.max_prompt_tokens} "
                                         f"this server takes: shorten it", request.source,
@@ -277,16 +312,21 @@ class CompletionServer(ThreadingHTTPServer):
         stop_tokens = stop_token_ids(tok, request.stop)
         with self._generating:
             try:
-                outs = self.generate_fn(encoded, request.max_tokens, temperature=request.temperature,
-                                        top_k=request.top_k, top_p=request.top_p, stop_tokens=stop_tokens,
-                                        seed=request.seed)
+                outs = [[] for _ in encoded] if request.max_tokens == 0 else self.generate_fn(
+                    encoded, request.max_tokens, temperature=request.temperature, top_k=request.top_k,
+                    top_p=request.top_p, stop_tokens=stop_tokens, seed=request.seed)
+                scores = None if request.logprobs is None else self.score_fn(
+                    [p + o for p, o in zip(encoded, outs)], max(request.logprobs, 1))
             except ValueError as e:  # the generator's own check of the request
                 raise RequestError(400, str(e)) from None
         choices, completion_tokens = [], 0
         for i, ids in enumerate(outs):
-            ended_at_token = len(ids) < request.max_tokens  # the stop token was generated, not returned
+            # the stop token was generated, not returned (max_tokens 0: nothing was generated)
+            ended_at_token = 0 < request.max_tokens and len(ids) < request.max_tokens
             text, cut = cut_at_stop(tok.decode(ids), request.stop)
-            choices.append({"index": i, "text": text, "logprobs": None,
+            prompt_text = tok.decode(encoded[i]) if request.prompt_ids is not None else request.prompts[i]
+            logprobs = None if scores is None else self._logprobs(encoded[i], ids, scores[i], request, prompt_text)
+            choices.append({"index": i, "text": prompt_text + text if request.echo else text, "logprobs": logprobs,
                             "finish_reason": "stop" if cut or ended_at_token else "length"})
             completion_tokens += len(ids) + int(ended_at_token)
         prompt_tokens = sum(map(len, encoded))
@@ -294,6 +334,33 @@ class CompletionServer(ThreadingHTTPServer):
                 "model": self.model_name, "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
+
+
+    def _logprobs(self, prompt: list[int], new: list[int], scores: TokenScores, request: Completion,
+                  prompt_text: str) -> dict:
+        """OpenAI's ``logprobs`` of one choice: the returned tokens (the prompt's too with echo,
+        its first unscored: ``null``), each one's log-probability and the ``request.logprobs``
+        most likely tokens at its position (tokens that decode to the same text keep the
+        likelier), and where each token's text starts in the choice's text."""
+        tok = self.tokenizer
+        ids = prompt + new if request.echo else new
+        logprobs = [None, *scores.logprobs] if request.echo else scores.logprobs[len(prompt) - 1:]
+        tops = [None, *scores.top] if request.echo else scores.top[len(prompt) - 1:]
+        texts = [tok.decode([t]) for t in ids]
+        offsets, at = [], 0 if request.echo else len(prompt_text)
+        for text in texts:
+            offsets.append(at)
+            at += len(text)
+        top_logprobs = []
+        for top in tops:
+            if top is None:
+                top_logprobs.append(None)
+                continue
+            alternatives: dict[str, float] = {}
+            for token, logprob in top[:request.logprobs]:
+                alternatives.setdefault(tok.decode([token]), logprob)
+            top_logprobs.append(alternatives)
+        return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
 def stop_token_ids(tokenizer: Tokenizer, stops: Sequence[str]) -> list[int]:
@@ -337,6 +404,10 @@ class _Handler(BaseHTTPRequestHandler):
             f"/v1/models/{self.server.model_name}": {"GET": self._model_card},
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat_completions},
+            # the tokenizer, as vLLM's server offers it (lm-eval's local-completions reads it remotely)
+            "/tokenizer_info": {"GET": self._tokenizer_info},
+            "/tokenize": {"POST": self._tokenize},
+            "/detokenize": {"POST": self._detokenize},
         }
         path = urlsplit(self.path).path
         try:
@@ -365,6 +436,30 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _chat_completions(self) -> dict:
         return chat_response(self.server.complete(parse_chat_request(self._served_body(), self.server.limits)))
+
+    def _tokenizer_info(self) -> dict:
+        tok = self.server.tokenizer
+        eos = None if tok.eod is None else tok.decode([tok.eod])
+        return {"tokenizer_class": tok.name, "eos_token": eos, "bos_token": None, "pad_token": None,
+                "model_max_length": self.server.limits.max_context}
+
+    def _tokenize(self) -> dict:
+        body = self._json_body()
+        text = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(text, str):
+            raise RequestError(400, f'send {{"prompt": "text"}} to tokenize, not {json.dumps(body)[:80]}', "prompt")
+        tokens = self.server.tokenizer.encode(text)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.server.limits.max_context}
+
+    def _detokenize(self) -> dict:
+        body = self._json_body()
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise RequestError(400, f'send {{"tokens": [ids]}} to detokenize, not {json.dumps(body)[:80]}', "tokens")
+        vocab = self.server.tokenizer.vocab_size
+        if not all(0 <= t < vocab for t in tokens):
+            raise RequestError(400, f"tokens holds ids outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": self.server.tokenizer.decode(tokens)}
 
     def _model_card(self) -> dict:
         """The served model, as OpenAI's ``GET /v1/models`` lists one."""
@@ -455,12 +550,12 @@ class _Handler(BaseHTTPRequestHandler):
 def serve(generate_fn: GenerateFn, tokenizer: Tokenizer, host: str = "127.0.0.1", port: int = 0, *,
           max_prompt_tokens: int = 512, max_new_tokens_limit: int = 256, max_context: int | None = None,
           max_prompts: int = 16, max_body_bytes: int = 1 << 20, model_name: str = "fxmega",
-          log_requests: bool = False, block: bool = False) -> CompletionServer:
+          log_requests: bool = False, block: bool = False, score_fn: ScoreFn | None = None) -> CompletionServer:
     """Serve completions on ``host:port`` (0: any free port; see ``server.url``). Returns the
     running server, serving from a daemon thread; ``server.stop()`` ends it. With ``block``
     it serves in this thread until interrupted (Ctrl-C) and then closes."""
     limits = Limits(max_prompt_tokens, max_new_tokens_limit, max_context, max_prompts, max_body_bytes=max_body_bytes)
-    server = CompletionServer(generate_fn, tokenizer, host, port, limits, model_name, log_requests)
+    server = CompletionServer(generate_fn, tokenizer, host, port, limits, model_name, log_requests, score_fn)
     if not block:
         return server.start()
     try:

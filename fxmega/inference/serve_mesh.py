@@ -1,4 +1,5 @@
-"""Serving a model that spans a mesh: rank 0 answers HTTP, the other ranks follow its requests.
+"""Serving a model that spans a mesh: rank 0 answers HTTP, the other ranks follow its requests
+(generations, and the scoring of ``logprobs``).
 
 Every rank must run each generation together (the tp collectives, the pp sends), in the same
 order. So rank 0's generate function (``Leader``) broadcasts each request, checked first so
@@ -19,8 +20,14 @@ import torch.distributed as dist
 
 from fxmega.inference.generate import check_request
 from fxmega.inference.generate_parallel import ModelHolder, generate_on_mesh
+from fxmega.inference.scoring import TokenScores, decoder_for, token_scores
 
-_GENERATE, _PING, _STOP = "generate", "ping", "stop"
+_GENERATE, _SCORE, _PING, _STOP = "generate", "score", "ping", "stop"
+
+
+def score_on_mesh(holder: ModelHolder, sequences: list[list[int]], top: int) -> list[TokenScores]:
+    """``scoring.token_scores`` where ``holder``'s parameters are; every rank calls alike."""
+    return token_scores(decoder_for(holder), holder.cfg.model, sequences, top)
 
 
 def _broadcast(message: tuple) -> tuple:
@@ -47,6 +54,15 @@ class Leader:
         with self._lock:
             _broadcast((_GENERATE, prompts, max_new_tokens, kwargs))
             return generate_on_mesh(self.holder, prompts, max_new_tokens, **kwargs)
+
+    def score(self, sequences: list[list[int]], top: int) -> list[TokenScores]:
+        """The server's ``score_fn``: each call is run by every rank."""
+        for i, seq in enumerate(sequences):  # refused here, as generations are, before the followers see it
+            if not 1 <= len(seq) <= self.holder.cfg.model.max_seq_len:
+                raise ValueError(f"sequence {i} has {len(seq)} tokens: score 1 to {self.holder.cfg.model.max_seq_len}")
+        with self._lock:
+            _broadcast((_SCORE, sequences, top))
+            return score_on_mesh(self.holder, sequences, top)
 
     def _keep_alive(self) -> None:
         while not self._closed.wait(self.keepalive_s):
@@ -80,4 +96,7 @@ def follow(holder: ModelHolder) -> int:
         if message[0] == _GENERATE:
             _, prompts, max_new_tokens, kwargs = message
             generate_on_mesh(holder, prompts, max_new_tokens, **kwargs)
+            served += 1
+        if message[0] == _SCORE:
+            score_on_mesh(holder, *message[1:])
             served += 1
