@@ -11,10 +11,12 @@ import pytest
 
 from fxmega.cli import main
 from fxmega.config import load, override
-from fxmega.inference.generate import generate_cached
+from fxmega.inference.generate import LocalDecoder, generate_cached
+from fxmega.inference.scoring import token_scores
 from fxmega.training.run import Run
 from tests.commands import serving
 from tests.conftest import ROOT
+from tests.tolerance import reduction_rtol, run_lengths
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +30,23 @@ def trained(tmp_path_factory):
     return config + ["--load", str(root / "ckpt")], corpus  # the checkpoint records its tokenizer
 
 
+def _cfg(*overrides: str):
+    return override(load(ROOT / "configs" / "tiny_gpt.py"), ["train.compile=false", *overrides])
+
+
 def _library_greedy(corpus, ckpt, prompt: str, n: int) -> str:
-    cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), [f"data.source={corpus}", "train.compile=false"])
+    cfg = _cfg(f"data.source={corpus}")
     run = Run(cfg)
     assert run.resume(ckpt, params_only=True)
     ids = generate_cached(run.model, run.params, cfg.model, [run.tokenizer.encode(prompt)], n, temperature=0)
     return run.tokenizer.decode(ids[0])
+
+
+def _library_scores(corpus, ckpt, ids: list[int]) -> list[float]:
+    cfg = _cfg(f"data.source={corpus}")
+    run = Run(cfg)
+    assert run.resume(ckpt, params_only=True)
+    return token_scores(LocalDecoder(run.model, run.params, cfg.model), cfg.model, [ids])[0].logprobs
 
 
 @pytest.mark.slow
@@ -104,6 +117,17 @@ def test_serve_on_a_tp2_mesh_answers_like_one_device(trained):
         with opener.open(urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}),
                          timeout=120) as response:  # the followers are still in step after a refusal
             assert json.loads(response.read())["choices"][0]["text"] == _library_greedy(corpus, ckpt, "over", 4)
+        # streamed (rank 0 hears the tokens, rank 1 decodes alongside) and scored (every rank
+        # runs the forward): the same text, and one device's log-probabilities
+        openai = pytest.importorskip("openai")
+        client = openai.OpenAI(base_url=url.removesuffix("/completions"), api_key="unused", max_retries=0)
+        name = client.models.list().data[0].id
+        chunks = client.completions.create(model=name, prompt="the quick", max_tokens=8, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in chunks) == _library_greedy(corpus, ckpt, "the quick", 8)
+        ids = list(b"the quick brown")
+        scored = client.completions.create(model=name, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+        assert scored.choices[0].logprobs.token_logprobs[1:] == pytest.approx(_library_scores(corpus, ckpt, ids),
+                                                                             rel=reduction_rtol(*run_lengths(_cfg())))
 
 
 @pytest.mark.slow

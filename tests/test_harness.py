@@ -228,32 +228,63 @@ def _hf_gpt2_with_byte_tokenizer(folder: Path) -> None:
     model.save_pretrained(folder)
 
 
-@pytest.mark.slow
-def test_scores_equal_lm_evals_own_hf_model_on_the_same_weights(tmp_path):
-    """One GPT-2's weights, read by lm-eval's ``hf`` model (transformers) and imported into
-    fxmega: every loglikelihood request of a multiple-choice task gets the same answer from
-    both (within the rounding of two float32 forwards), and ``run.py eval --tasks`` reports
-    the accuracy the ``hf`` model gets."""
-    hf_dir, ckpt, out = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "results.json"
+@pytest.fixture(scope="module")
+def hf_and_imported(tmp_path_factory) -> tuple[Path, Path, Path, list[dict], dict]:
+    """A tiny random GPT-2 in a Hugging Face directory, the same weights imported with
+    ``run.py convert --from-hf``, the multiple-choice task, and lm-eval's ``hf`` model's results
+    on it, every request's answer included."""
+    folder = tmp_path_factory.mktemp("hf")
+    hf_dir, ckpt = folder / "hf", folder / "ckpt"
     _hf_gpt2_with_byte_tokenizer(hf_dir)
     assert main(["convert", "--from-hf", str(hf_dir), "--save", str(ckpt)]) == 0
-    docs = _write_task(tmp_path)
+    docs = _write_task(folder)
     hf = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=4)
-    cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), [f"train.load_dir={ckpt}", "train.device=cpu"])
+    reference = lm_eval.simple_evaluate(model=hf, tasks=["tiny_mc"], bootstrap_iters=0, log_samples=True,
+                                        task_manager=lm_eval.tasks.TaskManager(include_path=str(folder)))
+    return hf_dir, ckpt, folder, docs, reference
+
+
+def _answers(results: dict) -> dict[tuple[int, int], tuple[float, bool]]:
+    """(document, choice) -> the model's (log-probability, greedy) in a results JSON's samples."""
+    return {(s["doc_id"], i): tuple(r[0]) for s in results["samples"]["tiny_mc"] for i, r in enumerate(s["resps"])}
+
+
+@pytest.mark.slow
+def test_requests_through_the_adapter_equal_lm_evals_hf_model(hf_and_imported):
+    """Every loglikelihood request of the task gets the same log-probability (within the
+    rounding of two float32 forwards) and greedy flag from fxmega's adapter over the imported
+    weights as from lm-eval's ``hf`` model (transformers) over the originals."""
+    hf_dir, ckpt, _, docs, _ = hf_and_imported
+    hf = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=4)
     ours = harness_model(load_model(checkpoint_config(parse_args(["eval", "--load", str(ckpt)]))), batch_size=4)
     requests = [Instance("loglikelihood", {}, (d["question"], " " + c), i)
                 for i, d in enumerate(docs) for c in d["choices"]]
     got, want = ours.loglikelihood(requests), hf.loglikelihood(requests)
+    cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), ["model.vocab_size=257"])
     rtol = reduction_rtol(*run_lengths(cfg), 8)
     assert [g for g, _ in got] == pytest.approx([w for w, _ in want], rel=rtol)
     assert [g for _, g in got] == [w for _, w in want]
 
-    reference = lm_eval.simple_evaluate(model=hf, tasks=["tiny_mc"], bootstrap_iters=0, log_samples=False,
-                                        task_manager=lm_eval.tasks.TaskManager(include_path=str(tmp_path)))
-    run_py("eval", "--load", str(ckpt), "--tasks", "tiny_mc", "--include-path", str(tmp_path), "--output-path",
-           str(out))
-    acc = json.loads(out.read_text())["results"]["tiny_mc"]["acc,none"]
-    assert acc == reference["results"]["tiny_mc"]["acc,none"]
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [(), ("--mesh", "tp=2")], ids=["one_device", "tp2"])
+def test_run_py_eval_tasks_equals_lm_evals_hf_model_on_the_same_weights(hf_and_imported, mesh, tmp_path):
+    """``run.py eval --tasks tiny_mc`` on the imported weights, on one device and on tp=2 (the
+    vocabulary of 257 padded to 258 there): the harness's table, the ``hf`` model's accuracy,
+    and each request's answer equal to the ``hf`` model's within the float32 rounding bound."""
+    _, ckpt, folder, _, reference = hf_and_imported
+    out = tmp_path / "results.json"
+    done = run_py("eval", "--load", str(ckpt), "--tasks", "tiny_mc", "--include-path", str(folder), *mesh,
+                  "--output-path", str(out), "--log-samples")
+    assert "|tiny_mc|" in done.stdout, done.stdout
+    results = json.loads(out.read_text())
+    assert results["results"]["tiny_mc"]["acc,none"] == reference["results"]["tiny_mc"]["acc,none"]
+    got, want = _answers(results), _answers(reference)
+    assert sorted(got) == sorted(want)
+    cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), ["model.vocab_size=257"])
+    rtol = reduction_rtol(*run_lengths(cfg), 8)
+    assert [got[k][0] for k in sorted(got)] == pytest.approx([want[k][0] for k in sorted(want)], rel=rtol)
+    assert [got[k][1] for k in sorted(got)] == [want[k][1] for k in sorted(want)]
 
 
 @pytest.mark.slow

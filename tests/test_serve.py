@@ -16,7 +16,7 @@ from fxmega.data.instructions import END, prompt_text
 from fxmega.data.tokenizer import ByteTokenizer
 from fxmega.inference.generate import LocalDecoder, generate_cached
 from fxmega.inference.scoring import token_scores
-from fxmega.inference.serve import serve
+from fxmega.inference.serve import TextStream, serve
 from fxmega.models import gpt
 from fxmega.ops.init import init_params
 from tests.conftest import ROOT
@@ -162,7 +162,7 @@ BAD = [
     ({"prompt": "hi", "top_k": -1}, 400, "top_k", "top_k=-1 must be 0 or more"),
     ({"prompt": "hi", "stop": 3}, 400, "stop", "stop must be"),
     ({"prompt": "hi", "seed": -1}, 400, "seed", "seed=-1"),
-    ({"prompt": "hi", "stream": True}, 400, "stream", "stream=true is not supported"),
+    ({"prompt": ["a", "b"], "stream": True}, 400, "stream", "stream=true takes one prompt per request"),
     ({"prompt": "x" * 5000}, 413, None, "more than the 4096"),
 ]
 
@@ -352,3 +352,42 @@ def test_the_tokenizer_endpoints(scoring_server):
     info = request(scoring_server, "/tokenizer_info", method="GET")[1]
     assert info["eos_token"] is None and info["model_max_length"] == 64  # bytes: no end-of-text token
     assert request(scoring_server, "/detokenize", {"tokens": [300]})[0] == 400
+
+
+def test_a_character_split_over_tokens_and_a_stop_string_in_the_making_are_held_back():
+    stream = TextStream(ByteTokenizer(), ["END"], [])
+    assert [stream.add(t) for t in "aé".encode()] == ["a", "", "é"]  # é is two bytes
+    assert [stream.add(t) for t in b"xEN"] == ["x", "", ""]  # "EN" may become "END"
+    assert stream.add(ord("D")) == "" and stream.stopped and stream.add(ord("z")) == ""
+    stream = TextStream(ByteTokenizer(), ["END"], [0])
+    assert [stream.add(t) for t in b"EN"] == ["", ""] and stream.add(0) == "EN" and stream.stopped
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+
+
+def test_the_openai_client_streams_completions_as_the_whole_answer(client):
+    whole = client.completions.create(model="tiny-gpt", prompt="Hello", max_tokens=12, temperature=0, seed=1)
+    chunks = list(client.completions.create(model="tiny-gpt", prompt="Hello", max_tokens=12, temperature=0, seed=1,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert len(chunks) > 2 and chunks[-1].choices[0].finish_reason == "length"
+    stop = whole.choices[0].text[4:6]  # a stop string the stream must not show any of
+    cut = list(client.completions.create(model="tiny-gpt", prompt="Hello", max_tokens=12, temperature=0, seed=1,
+                                         stream=True, stop=[stop]))
+    text = whole.choices[0].text
+    assert "".join(c.choices[0].text for c in cut) == text[:text.index(stop)]
+    assert cut[-1].choices[0].finish_reason == "stop"
+
+
+def test_the_openai_client_streams_chat(client):
+    messages = [{"role": "user", "content": "Say hi"}]
+    whole = client.chat.completions.create(model="tiny-gpt", messages=messages, max_tokens=10, temperature=0, seed=2)
+    chunks = list(client.chat.completions.create(model="tiny-gpt", messages=messages, max_tokens=10, temperature=0,
+                                                 seed=2, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason

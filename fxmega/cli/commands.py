@@ -243,11 +243,14 @@ def _harness(cfg: RunConfig, parallel: Parallel | None, device: torch.device | N
     """``eval --tasks``: lm-evaluation-harness's tasks on the checkpoint's model (every rank runs
     the harness alike; rank 0 prints its table and writes its results)."""
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if args.log_samples and not args.output_path:
+        raise ConfigError("--log-samples writes each request and answer into the results JSON: give --output-path FILE")
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     manager = harness.task_manager(args.include_path)
     harness.check_tasks(manager, tasks, args.include_path)
     run = load_model(cfg, parallel, device, command="eval --tasks")
-    results = harness.evaluate_tasks(run, manager, tasks, limit, args.num_fewshot, cfg.train.micro_batch_size)
+    results = harness.evaluate_tasks(run, manager, tasks, limit, args.num_fewshot, cfg.train.micro_batch_size,
+                                     args.log_samples)
     if run.main:
         print(harness.report(results), flush=True)
         if args.output_path:

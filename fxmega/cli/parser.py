@@ -159,6 +159,8 @@ GROUPS: dict[str, list[Flag]] = {
              options={"type": float}),
         Flag("--num-fewshot", "few-shot examples per prompt (default: each task's own)", options={"type": int}),
         Flag("--output-path", "also write the harness's results as JSON", options={"metavar": "FILE"}),
+        Flag("--log-samples", "with --output-path: every request and the model's answer in the JSON too",
+             options={"action": "store_true"}),
     ],
     "serving": [
         Flag("--host", "the address to listen on", options={"default": "127.0.0.1"}),

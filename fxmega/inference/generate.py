@@ -152,7 +152,8 @@ def check_request(cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_to
 @torch.no_grad()
 def decode(decoder: Decoder, cfg: ModelConfig, prompts: Sequence[Sequence[int]], max_new_tokens: int,
            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, stop_tokens: Sequence[int] = (),
-           seed: int = 0, rows: Sequence[int] | None = None) -> list[list[int]]:
+           seed: int = 0, rows: Sequence[int] | None = None,
+           on_token: Callable[[list[int]], None] | None = None) -> list[list[int]]:
     """The new tokens for each prompt, generated with ``decoder``'s KV cache.
 
     Sampling as ``sample_next`` (greedy at temperature 0), each row from its own generator
@@ -162,7 +163,8 @@ def decode(decoder: Decoder, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
     shorter than ``max_new_tokens`` means that sequence stopped. Stopped rows are fed padding
     while the others go on, and their output is not extended; generation ends when every row
     has stopped. On a mesh every rank calls with the same arguments and returns the same
-    tokens.
+    tokens. ``on_token``, when given, hears each step's token of every row as it is sampled (a
+    stopped row's padding included: the caller knows which rows stopped), for streaming.
     """
     check_request(cfg, prompts, max_new_tokens, temperature, top_k, top_p)
     if not prompts or max_new_tokens == 0:
@@ -186,6 +188,8 @@ def decode(decoder: Decoder, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
         nxt = sample_rows(logits[:, -1, :cfg.vocab_size], temperature, top_k, generators, top_p)
         nxt = nxt.masked_fill(done, PAD_ID)
         steps.append(nxt)
+        if on_token is not None:
+            on_token(nxt.tolist())
         done = done | torch.isin(nxt, stop)
         if step == max_new_tokens - 1 or bool(done.all()):
             break
@@ -196,11 +200,12 @@ def decode(decoder: Decoder, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
 
 def generate_cached(model: ModelFamily, params: dict, cfg: ModelConfig, prompts: Sequence[Sequence[int]],
                     max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                    stop_tokens: Sequence[int] = (), seed: int = 0) -> list[list[int]]:
+                    stop_tokens: Sequence[int] = (), seed: int = 0,
+                    on_token: Callable[[list[int]], None] | None = None) -> list[list[int]]:
     """``decode`` on one device, over ``model``'s (a family such as ``fxmega.models.gpt.FAMILY``) whole
     parameters."""
     return decode(LocalDecoder(model, params, cfg), cfg, prompts, max_new_tokens, temperature, top_k, top_p,
-                  stop_tokens, seed)
+                  stop_tokens, seed, on_token=on_token)
 
 
 def sample_text(generate_fn: GenerateFn, cfg: ModelConfig, tokenizer: Any, prompt: str, max_new_tokens: int,

@@ -191,23 +191,25 @@ class ModelHolder(Protocol):
 @torch.no_grad()
 def generate_on_mesh(holder: ModelHolder, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, stop_tokens: Sequence[int] = (),
-                     seed: int = 0) -> list[list[int]]:
+                     seed: int = 0, on_token: Callable[[list[int]], None] | None = None) -> list[list[int]]:
     """The new tokens for each prompt (``generate.decode``'s semantics and return), decoded where
     ``holder``'s parameters are (a ``LoadedModel`` or a training ``Run``: its ``model``,
     ``params``, ``parallel`` and ``cfg``). Every rank must call with the same arguments, and
-    every rank returns the same tokens."""
+    every rank returns the same tokens. ``on_token`` (``decode``'s) hears this rank's rows: all of
+    them without data parallelism, else rows r, r + dp, ... on data rank r."""
     cfg = holder.cfg.model
     par = holder.parallel
     if par is None:
         return decode(LocalDecoder(holder.model, holder.params, cfg), cfg, prompts, max_new_tokens, temperature, top_k,
-                      top_p, stop_tokens, seed)
+                      top_p, stop_tokens, seed, on_token=on_token)
     decoder = MeshDecoder(holder.model, par, holder.params, cfg)
     if par.groups.data_size == 1:
-        return decode(decoder, cfg, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed)
+        return decode(decoder, cfg, prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed,
+                      on_token=on_token)
     # data replicas decode independent prompts: rows r, r + dp, r + 2 dp, ... on data rank r
     mine = list(range(par.groups.data_rank, len(prompts), par.groups.data_size))
     outs = decode(decoder, cfg, [prompts[i] for i in mine], max_new_tokens, temperature, top_k, top_p, stop_tokens,
-                  seed, rows=mine)
+                  seed, rows=mine, on_token=on_token)
     everyone: list[dict[int, list[int]]] = [{}] * par.groups.data_size
     dist.all_gather_object(everyone, dict(zip(mine, outs)), group=par.groups.group(par.groups.data_axes).get_group())
     merged = {row: ids for part in everyone for row, ids in part.items()}

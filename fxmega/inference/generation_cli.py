@@ -59,7 +59,11 @@ def generate_fn(run: LoadedModel) -> Callable[..., list[list[int]]]:
     if is_encoder_decoder(run.model):
         cfg = run.cfg.model
 
-        def seq2seq(sources: list[list[int]], *args: Any, **kwargs: Any) -> list[list[int]]:
+        def seq2seq(sources: list[list[int]], *args: Any, on_token: Callable[[list[int]], None] | None = None,
+                    **kwargs: Any) -> list[list[int]]:
+            if on_token is not None:
+                raise ValueError("streaming is served for decoder-only models; an encoder-decoder's target comes "
+                                 "whole: send stream=false")
             return generate_seq2seq(run.model, run.params, cfg, ended(sources, cfg.eos_id), *args, **kwargs)
         return seq2seq
     return functools.partial(generate_on_mesh, run)

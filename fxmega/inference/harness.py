@@ -135,12 +135,13 @@ def check_tasks(manager: Any, tasks: list[str], include_path: str | None) -> Non
 
 
 def evaluate_tasks(run: LoadedModel, manager: Any, tasks: list[str], limit: float | None = None,
-                   num_fewshot: int | None = None, batch_size: int = 8) -> dict[str, Any]:
+                   num_fewshot: int | None = None, batch_size: int = 8, log_samples: bool = False) -> dict[str, Any]:
     """The harness's results for ``tasks`` (names or groups ``manager``, a ``task_manager``,
     knows) on ``run``'s model: its ``results`` per task, ``configs``, versions and n-shot, as its
-    own CLI writes them."""
+    own CLI writes them (with ``log_samples``, each request and answer under ``samples``)."""
     return _lm_eval().simple_evaluate(model=harness_model(run, batch_size), tasks=tasks, task_manager=manager,
-                                      limit=limit, num_fewshot=num_fewshot, bootstrap_iters=0, log_samples=False)
+                                      limit=limit, num_fewshot=num_fewshot, bootstrap_iters=0,
+                                      log_samples=log_samples)
 
 
 def report(results: dict[str, Any]) -> str:

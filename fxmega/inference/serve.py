@@ -10,7 +10,9 @@ prompt as token ids, and ask for ``echo`` (the prompt returned before the comple
 alternatives, from ``score_fn``: ``fxmega.inference.scoring.token_scores``), which is how
 lm-evaluation-harness's ``local-completions`` model scores a task against a server; ``GET
 /tokenizer_info``, ``POST /tokenize`` and ``POST /detokenize`` give it the served tokenizer, as
-vLLM's server does. The model is any
+vLLM's server does. ``stream: true`` (completions and chat) sends the text as OpenAI streams it,
+server-sent events of chunks released as no later token can change them (``TextStream``), the
+finish reason last, then ``data: [DONE]``. The model is any
 ``generate_fn(prompts, max_new_tokens, temperature, top_k, top_p, stop_tokens, seed) -> new
 tokens per prompt``; for an fxmega model that is ``functools.partial(generate_cached, model,
 params, cfg)``, which stops at a stop token without returning it (see ``fxmega.inference.generate``)::
@@ -76,7 +78,7 @@ class Limits:
 
 # fields of OpenAI's API this server does not implement, with the values that mean "off" (or null):
 # a request asking for them is refused rather than silently answered without them
-UNSUPPORTED = {"stream": (False,), "n": (1,), "best_of": (1,), "suffix": (),
+UNSUPPORTED = {"n": (1,), "best_of": (1,), "suffix": (),
                "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "logit_bias": ({},)}
 # fields of OpenAI's chat API beyond the completion API's that this server does not implement
 CHAT_UNSUPPORTED = {"tools": (), "tool_choice": (), "functions": (), "function_call": (), "response_format": (),
@@ -113,6 +115,7 @@ class Completion:
     prompt_ids: list[list[int]] | None = None  # prompts given as token ids (then ``prompts`` is empty)
     echo: bool = False  # the prompt is returned before the completion (and scored with logprobs)
     logprobs: int | None = None  # the returned tokens' log-probabilities, with this many alternatives each
+    stream: bool = False  # the text sent as it is generated, as server-sent events
 
 
 def parse_request(body: Any, limits: Limits) -> Completion:
@@ -135,6 +138,15 @@ def parse_request(body: Any, limits: Limits) -> Completion:
     if not isinstance(echo, bool):
         raise RequestError(400, f"echo must be true or false, not {json.dumps(echo)}", "echo")
     logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise RequestError(400, f"stream must be true or false, not {json.dumps(stream)}", "stream")
+    if stream and (echo or logprobs is not None):
+        raise RequestError(400, "stream=true sends the completion's text only: leave echo and logprobs out, or "
+                                "stream=false", "stream")
+    if stream and len(prompts or prompt_ids) > 1:
+        raise RequestError(400, f"stream=true takes one prompt per request, not {len(prompts or prompt_ids)}: send "
+                                f"them one by one", "stream")
     # with echo, max_tokens 0 scores the prompt alone (OpenAI allows it)
     max_tokens = _integer(body, "max_tokens", 16, 0 if echo else 1, limits.max_new_tokens)
     temperature = _number(body, "temperature", 1.0)
@@ -148,7 +160,7 @@ def parse_request(body: Any, limits: Limits) -> Completion:
     seed = _integer(body, "seed", None, 0, 2**63 - 1)
     return Completion(prompts, max_tokens, temperature, top_p, top_k, _stops(body, limits),
                       secrets.randbits(63) if seed is None else seed, prompt_ids=prompt_ids, echo=echo,
-                      logprobs=logprobs)
+                      logprobs=logprobs, stream=stream)
 
 
 def _prompts(prompt: Any) -> tuple[list[str], list[list[int]] | None]:
@@ -282,8 +294,9 @@ class CompletionServer(ThreadingHTTPServer):
             self._thread = None
         self.server_close()
 
-    def complete(self, request: Completion) -> dict:
-        """The response body for a validated request."""
+    def encode(self, request: Completion) -> list[list[int]]:
+        """The request's prompts as token ids, each checked against the limits and the model's
+        context; ``RequestError`` (400) naming the first that does not fit."""
         tok, limits = self.tokenizer, self.limits
         if request.logprobs is not None and self.score_fn is None:
             raise RequestError(400, "logprobs: the served model is not scored token by token here (a decoder-only "
@@ -309,6 +322,12 @@ class CompletionServer(ThreadingHTTPServer):
                                         f"{limits.max_context} tokens: lower max_tokens to at most {room} or "
                                         f"shorten the {request.source}", "max_tokens",
                                    code="context_length_exceeded")
+        return encoded
+
+    def complete(self, request: Completion) -> dict:
+        """The response body for a validated request."""
+        tok = self.tokenizer
+        encoded = self.encode(request)
         stop_tokens = stop_token_ids(tok, request.stop)
         with self._generating:
             try:
@@ -336,6 +355,31 @@ class CompletionServer(ThreadingHTTPServer):
                           "total_tokens": prompt_tokens + completion_tokens}}
 
 
+    def stream(self, request: Completion, send: Callable[[str, str | None], None]) -> None:
+        """Generate the one prompt of a validated ``request``, calling ``send(text, None)`` with
+        each piece of the completion's text as soon as no later token can change it, and
+        ``send("", finish_reason)`` at the end."""
+        (ids,) = self.encode(request)
+        stop_tokens = stop_token_ids(self.tokenizer, request.stop)
+        text = TextStream(self.tokenizer, request.stop, stop_tokens)
+
+        def on_token(step: list[int]) -> None:
+            piece = text.add(step[0])
+            if piece:
+                send(piece, None)
+
+        with self._generating:
+            try:
+                new = self.generate_fn([ids], request.max_tokens, temperature=request.temperature,
+                                       top_k=request.top_k, top_p=request.top_p, stop_tokens=stop_tokens,
+                                       seed=request.seed, on_token=on_token)[0]
+            except ValueError as e:  # the generator's own check of the request
+                raise RequestError(400, str(e)) from None
+        piece = text.finish()
+        if piece:
+            send(piece, None)
+        send("", "stop" if text.stopped or len(new) < request.max_tokens else "length")
+
     def _logprobs(self, prompt: list[int], new: list[int], scores: TokenScores, request: Completion,
                   prompt_text: str) -> dict:
         """OpenAI's ``logprobs`` of one choice: the returned tokens (the prompt's too with echo,
@@ -361,6 +405,45 @@ class CompletionServer(ThreadingHTTPServer):
                 alternatives.setdefault(tok.decode([token]), logprob)
             top_logprobs.append(alternatives)
         return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+class TextStream:
+    """A completion's text as its tokens arrive, released only where no later token can change
+    it: not a character whose bytes are still coming (a trailing replacement character is held
+    back until the end), not the start of what may become a stop string; nothing after a stop
+    string or a stop token."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], stop_tokens: Sequence[int]) -> None:
+        self.tokenizer, self.stops, self.stop_tokens = tokenizer, list(stops), set(stop_tokens)
+        self.ids: list[int] = []
+        self.sent = ""
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        """The text ``token`` makes safe to send (often empty)."""
+        if self.stopped:
+            return ""
+        if token in self.stop_tokens:
+            self.stopped = True
+            return self.finish()
+        self.ids.append(token)
+        text, cut = cut_at_stop(self.tokenizer.decode(self.ids), self.stops)
+        if cut:
+            self.stopped = True
+            return self._release(text)
+        held = max((n for stop in self.stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+        safe = text[:len(text) - held].rstrip("\ufffd")
+        return self._release(safe)
+
+    def finish(self) -> str:
+        """The rest of the text, once generation has ended."""
+        return self._release(cut_at_stop(self.tokenizer.decode(self.ids), self.stops)[0])
+
+    def _release(self, text: str) -> str:
+        if not text.startswith(self.sent) or len(text) <= len(self.sent):
+            return ""
+        piece, self.sent = text[len(self.sent):], text
+        return piece
 
 
 def stop_token_ids(tokenizer: Tokenizer, stops: Sequence[str]) -> list[int]:
@@ -398,7 +481,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._route("PATCH")
 
     def _route(self, method: str) -> None:
-        routes: dict[str, dict[str, Callable[[], dict]]] = {
+        routes: dict[str, dict[str, Callable[[], dict | None]]] = {
             "/health": {"GET": lambda: {"status": "ok", "model": self.server.model_name}},
             "/v1/models": {"GET": lambda: {"object": "list", "data": [self._model_card()]}},
             f"/v1/models/{self.server.model_name}": {"GET": self._model_card},
@@ -424,18 +507,61 @@ class _Handler(BaseHTTPRequestHandler):
                 allowed = ", ".join(routes[path])
                 raise RequestError(405, f"{method} is not allowed on {path}: use {allowed}",
                                    kind="method_not_allowed")
-            self._send(200, routes[path][method]())
+            answer = routes[path][method]()
+            if answer is not None:  # None: streamed already
+                self._send(200, answer)
         except RequestError as e:
             self._send(e.status, e.body(), allow=", ".join(routes.get(path, {})) if e.status == 405 else None)
         except Exception as e:  # the generator broke: say so, keep serving
             self._send(500, RequestError(500, f"generation failed: {type(e).__name__}: {e}",
                                          kind="server_error").body())
 
-    def _completions(self) -> dict:
-        return self.server.complete(parse_request(self._served_body(), self.server.limits))
+    def _completions(self) -> dict | None:
+        request = parse_request(self._served_body(), self.server.limits)
+        if request.stream:
+            return self._stream(request, chat=False)
+        return self.server.complete(request)
 
-    def _chat_completions(self) -> dict:
-        return chat_response(self.server.complete(parse_chat_request(self._served_body(), self.server.limits)))
+    def _chat_completions(self) -> dict | None:
+        request = parse_chat_request(self._served_body(), self.server.limits)
+        if request.stream:
+            return self._stream(request, chat=True)
+        return chat_response(self.server.complete(request))
+
+    def _stream(self, request: Completion, chat: bool) -> None:
+        """Server-sent events, as OpenAI streams: a chunk per piece of text, a last chunk with
+        the finish reason, then ``data: [DONE]``. The request is checked before the first byte
+        goes out, so a bad one still gets its JSON error."""
+        self.server.encode(request)
+        ident, created = uuid.uuid4().hex, int(time.time())
+        started = []
+
+        def send(text: str, finish: str | None) -> None:
+            if not started:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-cache")
+                self.end_headers()
+                self.close_connection = True  # no length: the stream ends when the connection does
+                started.append(True)
+            if chat:
+                delta = {"role": "assistant", "content": text} if len(started) == 1 else {"content": text}
+                started.append(True)
+                chunk = {"id": f"chatcmpl-{ident}", "object": "chat.completion.chunk", "created": created,
+                         "model": self.server.model_name,
+                         "choices": [{"index": 0, "delta": delta if text or finish is None else {},
+                                      "logprobs": None, "finish_reason": finish}]}
+            else:
+                chunk = {"id": f"cmpl-{ident}", "object": "text_completion", "created": created,
+                         "model": self.server.model_name,
+                         "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if finish is not None:
+                self.wfile.write(b"data: [DONE]\n\n")
+            self.wfile.flush()
+
+        self.server.stream(request, send)
+        return None
 
     def _tokenizer_info(self) -> dict:
         tok = self.server.tokenizer

@@ -14,7 +14,7 @@ same (``tests/test_generation_cli.py``).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
@@ -47,13 +47,15 @@ class Leader:
         self._thread.start()
 
     def __call__(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, stop_tokens: Sequence[int] = (), seed: int = 0) -> list[list[int]]:
+                 top_p: float = 1.0, stop_tokens: Sequence[int] = (), seed: int = 0,
+                 on_token: Callable[[list[int]], None] | None = None) -> list[list[int]]:
         # refused here, before the followers see it: a request one rank fails would leave the others waiting
         check_request(self.holder.cfg.model, prompts, max_new_tokens, temperature, top_k, top_p)
         kwargs = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_tokens=list(stop_tokens), seed=seed)
         with self._lock:
             _broadcast((_GENERATE, prompts, max_new_tokens, kwargs))
-            return generate_on_mesh(self.holder, prompts, max_new_tokens, **kwargs)
+            # only rank 0 streams: the followers decode the same tokens without a listener
+            return generate_on_mesh(self.holder, prompts, max_new_tokens, **kwargs, on_token=on_token)
 
     def score(self, sequences: list[list[int]], top: int) -> list[TokenScores]:
         """The server's ``score_fn``: each call is run by every rank."""
