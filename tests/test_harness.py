@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 from types import ModuleType
@@ -267,10 +269,10 @@ def test_requests_through_the_adapter_equal_lm_evals_hf_model(hf_and_imported):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [(), ("--mesh", "tp=2")], ids=["one_device", "tp2"])
+@pytest.mark.parametrize("mesh", [(), ("--mesh", "tp=2"), ("--mesh", "pp=2")], ids=["one_device", "tp2", "pp2"])
 def test_run_py_eval_tasks_equals_lm_evals_hf_model_on_the_same_weights(hf_and_imported, mesh, tmp_path):
-    """``run.py eval --tasks tiny_mc`` on the imported weights, on one device and on tp=2 (the
-    vocabulary of 257 padded to 258 there): the harness's table, the ``hf`` model's accuracy,
+    """``run.py eval --tasks tiny_mc`` on the imported weights, on one device, on tp=2 (the
+    vocabulary of 257 padded to 258 there) and on pp=2: the harness's table, the ``hf`` model's accuracy,
     and each request's answer equal to the ``hf`` model's within the float32 rounding bound."""
     _, ckpt, folder, _, reference = hf_and_imported
     out = tmp_path / "results.json"
@@ -302,11 +304,19 @@ def test_lm_evals_local_completions_against_run_py_serve_scores_as_the_direct_ru
         with urllib.request.urlopen(url.replace("/v1/completions", "/v1/models"), timeout=30) as r:
             name = json.loads(r.read())["data"][0]["id"]
         served = lm_eval.api.registry.get_model("local-completions")(
-            base_url=url, model=name, tokenizer_backend="remote", batch_size=4,
-            max_length=direct.context - 1, num_concurrent=1, max_retries=1)
+            base_url=url, model=name, tokenizer_backend="remote", batch_size=4, max_length=direct.context - 1,
+            num_concurrent=1, max_retries=1)
         got = served.loglikelihood(requests)
-        scored = lm_eval.simple_evaluate(model=served, tasks=["tiny_mc"], task_manager=manager, bootstrap_iters=0)
+        # and as a user types it: lm-eval's own command line
+        out = tmp_path / "served"
+        typed = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args",
+                                f"base_url={url},model={name},tokenizer_backend=remote,num_concurrent=1,max_retries=1,"
+                                f"max_length={direct.context - 1}", "--tasks", "tiny_mc", "--include_path",
+                                str(tmp_path), "--output_path", str(out)], capture_output=True, text=True, timeout=600)
+    assert typed.returncode == 0, typed.stdout[-2000:] + typed.stderr[-3000:]
+    assert "|tiny_mc|" in typed.stdout, typed.stdout
     expected = direct.loglikelihood(requests)
     assert [g for g, _ in got] == pytest.approx([e for e, _ in expected], rel=1e-6)  # the same forward, batched alike
     assert [g for _, g in got] == [e for _, e in expected]
-    assert scored["results"]["tiny_mc"]["acc,none"] == want["results"]["tiny_mc"]["acc,none"]
+    (written,) = out.rglob("results*.json")
+    assert json.loads(written.read_text())["results"]["tiny_mc"]["acc,none"] == want["results"]["tiny_mc"]["acc,none"]
