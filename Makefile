@@ -20,8 +20,8 @@ test: $(STAMP)  ## the whole test suite (what CI runs)
 test-fast: $(STAMP)  ## every module's fast tests (no multi-rank or heavy compile runs), for iterating
 	$(PY) -m pytest -q -ra -m "not slow" --durations=10 tests
 
-e2e: $(STAMP)  ## the whole user-path matrix: every strategy through run.py, trained, resumed, generated from
-	$(PY) -m pytest -q -ra --e2e --durations=20 tests/test_user_path.py tests/test_doc_commands.py
+e2e: $(STAMP)  ## everything make test runs, plus the whole user-path matrix and the other e2e-marked cases
+	$(PY) -m pytest -q -ra --e2e --durations=20 tests
 
 fuzz: $(STAMP)  ## property tests with fresh random examples, twenty times as many as make test draws
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -ra tests/test_fuzz.py

@@ -35,11 +35,13 @@ torch.use_deterministic_algorithms(True, warn_only=True)
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--e2e", action="store_true",
-                     help="also run the tests marked e2e: the whole user-path matrix (make e2e)")
+                     help="also run the tests marked e2e: the whole user-path matrix and the second cases of "
+                          "heavy checks (make e2e)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Without --e2e, the e2e tests are deselected: make test runs the matrix' riskiest cases only."""
+    """Without --e2e, the e2e tests are deselected: make test runs the matrix' riskiest cases and
+    one case of each heavy check, to stay within CI's time."""
     if config.getoption("--e2e"):
         return
     skipped = [item for item in items if "e2e" in item.keywords]

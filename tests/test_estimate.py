@@ -55,6 +55,7 @@ def test_tp2_step_peak_within_15_percent():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # make test keeps tp=2's (the suite's time); make e2e runs all
 def test_cp2_ring_step_peak_within_15_percent():
     """Two gloo ranks, cp=2 with ring attention, the tiny Llama at 2,048 tokens: each rank
     holds its head-tail chunks and one key/value block at a time, so the estimate divides
@@ -67,6 +68,7 @@ def test_cp2_ring_step_peak_within_15_percent():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # make test keeps tp=2's (the suite's time); make e2e runs all
 def test_pp2_step_peak_within_15_percent():
     """Two gloo ranks, pp=2, 1F1B over 4 micro batches, compiled stages: the first stage
     keeps two micro batches' activations, the last one plus the head; the whole step's
@@ -78,6 +80,7 @@ def test_pp2_step_peak_within_15_percent():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # make test keeps tp=2's (the suite's time); make e2e runs all
 def test_ep2_moe_step_peak_within_15_percent():
     """Two gloo ranks, the tiny MoE dropless over ep=2: each expert's buffer holds a whole
     sequence (E rows per token: the buffers, the experts' SwiGLU and outputs on them, 6

@@ -70,7 +70,7 @@ def test_compiled_autograd_grad_keeps_custom_ops():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["tiny_gpt", "tiny_llama"])
+@pytest.mark.parametrize("model", ["tiny_gpt", pytest.param("tiny_llama", marks=pytest.mark.e2e)])  # llama: make e2e
 def test_compiled_step_with_triton_kernels_equals_reference(model):
     _run(f"step_{model}")
 

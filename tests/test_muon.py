@@ -171,7 +171,7 @@ def test_a_skipped_step_changes_nothing_even_with_nan_gradients():
     assert state["step"].item() == 0
 
 
-@pytest.mark.parametrize("config", ["tiny_gpt", "tiny_moe"])
+@pytest.mark.parametrize("config", ["tiny_gpt", pytest.param("tiny_moe", marks=pytest.mark.e2e)])  # moe: make e2e
 def test_muon_trains_checkpoints_and_resumes_through_run_compiled(config, tmp_path):
     cfg = override(load(ROOT / "configs" / f"{config}.py"),
                    ["optim.optimizer=muon", "train.device=cpu", "data.source=mock", "train.eval_interval=0",

@@ -77,6 +77,7 @@ def test_async_tp_refused_where_it_cannot_run():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # the schedule's shape; make test keeps the overlapped step's parity (the suite's time)
 def test_every_gradient_reduction_has_compute_before_its_wait():
     got = run_ranks(2, "tests.overlap_workers:with_and_without", 3, dict(mesh="dp=2"))[0]
     off, on = ([op for graph in got[k]["hidden"] for op in graph] for k in (False, True))
@@ -92,6 +93,7 @@ def test_every_gradient_reduction_has_compute_before_its_wait():
 
 
 @pytest.mark.slow
+@pytest.mark.e2e  # the schedule's shape; make test keeps the overlapped step's parity (the suite's time)
 def test_zero3_gathers_the_next_piece_while_the_current_one_computes():
     # ZeRO-3 gathers each piece's parameters in the forward and again in the backward: with
     # the passes every gather is issued before compute it does not depend on (the piece
