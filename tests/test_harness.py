@@ -35,6 +35,7 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from fxmega.inference.harness import harness_model  # noqa: E402
 
 TEXT = "the quick brown fox jumps over the lazy dog. "
+SHIPPED = "shakespeare_cloze"  # examples/harness' multiple-choice task
 
 
 def _tiny(*overrides: str):
@@ -240,15 +241,16 @@ def hf_and_imported(tmp_path_factory) -> tuple[Path, Path, Path, list[dict], dic
     _hf_gpt2_with_byte_tokenizer(hf_dir)
     assert main(["convert", "--from-hf", str(hf_dir), "--save", str(ckpt)]) == 0
     docs = _write_task(folder)
+    _example_tasks().build(ensure_shakespeare(ROOT / "data", quiet=True).read_text(), folder, n=12)
     hf = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=4)
-    reference = lm_eval.simple_evaluate(model=hf, tasks=["tiny_mc"], bootstrap_iters=0, log_samples=True,
+    reference = lm_eval.simple_evaluate(model=hf, tasks=[SHIPPED], bootstrap_iters=0, log_samples=True,
                                         task_manager=lm_eval.tasks.TaskManager(include_path=str(folder)))
     return hf_dir, ckpt, folder, docs, reference
 
 
 def _answers(results: dict) -> dict[tuple[int, int], tuple[float, bool]]:
     """(document, choice) -> the model's (log-probability, greedy) in a results JSON's samples."""
-    return {(s["doc_id"], i): tuple(r[0]) for s in results["samples"]["tiny_mc"] for i, r in enumerate(s["resps"])}
+    return {(s["doc_id"], i): tuple(r[0]) for s in results["samples"][SHIPPED] for i, r in enumerate(s["resps"])}
 
 
 @pytest.mark.slow
@@ -271,16 +273,17 @@ def test_requests_through_the_adapter_equal_lm_evals_hf_model(hf_and_imported):
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [(), ("--mesh", "tp=2"), ("--mesh", "pp=2")], ids=["one_device", "tp2", "pp2"])
 def test_run_py_eval_tasks_equals_lm_evals_hf_model_on_the_same_weights(hf_and_imported, mesh, tmp_path):
-    """``run.py eval --tasks tiny_mc`` on the imported weights, on one device, on tp=2 (the
+    """``run.py eval --tasks shakespeare_cloze`` (the shipped multiple-choice task) on the
+    imported weights, on one device, on tp=2 (the
     vocabulary of 257 padded to 258 there) and on pp=2: the harness's table, the ``hf`` model's accuracy,
     and each request's answer equal to the ``hf`` model's within the float32 rounding bound."""
     _, ckpt, folder, _, reference = hf_and_imported
     out = tmp_path / "results.json"
-    done = run_py("eval", "--load", str(ckpt), "--tasks", "tiny_mc", "--include-path", str(folder), *mesh,
+    done = run_py("eval", "--load", str(ckpt), "--tasks", SHIPPED, "--include-path", str(folder), *mesh,
                   "--output-path", str(out), "--log-samples")
-    assert "|tiny_mc|" in done.stdout, done.stdout
+    assert f"|{SHIPPED}|" in done.stdout, done.stdout
     results = json.loads(out.read_text())
-    assert results["results"]["tiny_mc"]["acc,none"] == reference["results"]["tiny_mc"]["acc,none"]
+    assert results["results"][SHIPPED]["acc,none"] == reference["results"][SHIPPED]["acc,none"]
     got, want = _answers(results), _answers(reference)
     assert sorted(got) == sorted(want)
     cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), ["model.vocab_size=257"])
