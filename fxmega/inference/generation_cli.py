@@ -15,7 +15,7 @@ from fxmega.core.errors import ConfigError
 from fxmega.inference.generate_parallel import generate_on_mesh
 from fxmega.inference.model_loader import LoadedModel, load_model, recorded, recorded_config
 from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq, is_encoder_decoder
-from fxmega.inference.serve import cut_at_stop, stop_token_ids
+from fxmega.inference.stops import cut_at_stop, stop_token_ids
 from fxmega.models import family_name, model_for
 from fxmega.parallel.runtime import Parallel
 from fxmega.sharding.mesh import MeshSpec

@@ -27,7 +27,7 @@ from fxmega.core.errors import ConfigError
 from fxmega.inference.generate_parallel import generate_on_mesh
 from fxmega.inference.model_loader import LoadedModel
 from fxmega.inference.scoring import continuation_logprobs, decoder_for
-from fxmega.inference.serve import cut_at_stop, stop_token_ids
+from fxmega.inference.stops import cut_at_stop, stop_token_ids
 
 INSTALL = "pip install -e '.[eval]'"
 
