@@ -34,19 +34,21 @@ def _cfg(*overrides: str):
     return override(load(ROOT / "configs" / "tiny_gpt.py"), ["train.compile=false", *overrides])
 
 
-def _library_greedy(corpus, ckpt, prompt: str, n: int) -> str:
-    cfg = _cfg(f"data.source={corpus}")
-    run = Run(cfg)
+def _library_run(corpus, ckpt) -> Run:
+    run = Run(_cfg(f"data.source={corpus}"))
     assert run.resume(ckpt, params_only=True)
-    ids = generate_cached(run.model, run.params, cfg.model, [run.tokenizer.encode(prompt)], n, temperature=0)
+    return run
+
+
+def _library_greedy(corpus, ckpt, prompt: str, n: int) -> str:
+    run = _library_run(corpus, ckpt)
+    ids = generate_cached(run.model, run.params, run.cfg.model, [run.tokenizer.encode(prompt)], n, temperature=0)
     return run.tokenizer.decode(ids[0])
 
 
 def _library_scores(corpus, ckpt, ids: list[int]) -> list[float]:
-    cfg = _cfg(f"data.source={corpus}")
-    run = Run(cfg)
-    assert run.resume(ckpt, params_only=True)
-    return token_scores(LocalDecoder(run.model, run.params, cfg.model), cfg.model, [ids])[0].logprobs
+    run = _library_run(corpus, ckpt)
+    return token_scores(LocalDecoder(run.model, run.params, run.cfg.model), run.cfg.model, [ids])[0].logprobs
 
 
 @pytest.mark.slow

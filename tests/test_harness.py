@@ -96,35 +96,22 @@ def test_the_harness_model_answers_loglikelihood_with_greedy_flags():
     assert [a for a, _ in answers] == pytest.approx([w for w, _ in want], rel=1e-6)
 
 
-def _write_task(folder: Path) -> list[dict]:
-    """A multiple-choice task over a local JSONL file: which word ends the sentence (the
-    harness puts its target delimiter, a space, between the question and each choice)."""
-    docs = [{"question": f"the quick brown fox jumps over the {w}", "choices": ["dog", "cat", "fox", "log"],
-             "answer": a} for w, a in (("lazy", 0), ("lazy", 1), ("laz", 0), ("lazy", 2), ("the", 3), ("l", 0))]
-    (folder / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (folder / "tiny_mc.yaml").write_text(f"""task: tiny_mc
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {folder / 'docs.jsonl'}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "{{{{question}}}}"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: "{{{{answer}}}}"
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-""")
-    return docs
-
-
 def _example_tasks() -> ModuleType:
     spec = importlib.util.spec_from_file_location("harness_tasks", ROOT / "examples" / "harness" / "build.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _write_task(folder: Path) -> list[dict]:
+    """A multiple-choice task over a local JSONL file, in the example cloze's format: which word
+    ends the sentence (the harness puts its target delimiter, a space, between the text and each
+    choice)."""
+    docs = [{"text": f"the quick brown fox jumps over the {w}", "choices": ["dog", "cat", "fox", "log"],
+             "answer": a} for w, a in (("lazy", 0), ("lazy", 1), ("laz", 0), ("lazy", 2), ("the", 3), ("l", 0))]
+    (folder / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (folder / "tiny_mc.yaml").write_text(_example_tasks().CLOZE.format(name="tiny_mc", data=folder / "docs.jsonl"))
+    return docs
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +147,7 @@ def test_run_py_eval_tasks_prints_the_harness_table(trained, tmp_path):
     correct = 0
     for doc in docs:
         scores = continuation_logprobs(decoder_for(run), run.cfg.model,
-                                       [(enc(doc["question"]), enc(" " + c)) for c in doc["choices"]])
+                                       [(enc(doc["text"]), enc(" " + c)) for c in doc["choices"]])
         correct += max(range(len(scores)), key=lambda i: scores[i][0]) == doc["answer"]
     assert acc == pytest.approx(correct / len(docs))
     assert 0 < correct < len(docs)  # the task tells answers apart: neither all right nor all wrong
@@ -261,7 +248,7 @@ def test_requests_through_the_adapter_equal_lm_evals_hf_model(hf_and_imported):
     hf_dir, ckpt, _, docs, _ = hf_and_imported
     hf = HFLM(pretrained=str(hf_dir), dtype="float32", device="cpu", batch_size=4)
     ours = harness_model(load_model(checkpoint_config(parse_args(["eval", "--load", str(ckpt)]))), batch_size=4)
-    requests = [Instance("loglikelihood", {}, (d["question"], " " + c), i)
+    requests = [Instance("loglikelihood", {}, (d["text"], " " + c), i)
                 for i, d in enumerate(docs) for c in d["choices"]]
     got, want = ours.loglikelihood(requests), hf.loglikelihood(requests)
     cfg = override(load(ROOT / "configs" / "tiny_gpt.py"), ["model.vocab_size=257"])
@@ -299,7 +286,7 @@ def test_lm_evals_local_completions_against_run_py_serve_scores_as_the_direct_ru
     log-probabilities, greedy flags and task accuracy as fxmega's model answering directly."""
     docs = _write_task(tmp_path)
     direct = harness_model(load_model(checkpoint_config(parse_args(["eval", "--load", str(trained)]))), batch_size=4)
-    requests = [Instance("loglikelihood", {}, (d["question"], " " + c), i)
+    requests = [Instance("loglikelihood", {}, (d["text"], " " + c), i)
                 for i, d in enumerate(docs) for c in d["choices"]]
     manager = lm_eval.tasks.TaskManager(include_path=str(tmp_path))
     want = lm_eval.simple_evaluate(model=direct, tasks=["tiny_mc"], task_manager=manager, bootstrap_iters=0)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from fxmega.data.corpus import ensure_shakespeare  # noqa: E402
 
-CLOZE = """task: shakespeare_cloze
+CLOZE = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -43,7 +43,7 @@ metric_list:
     higher_is_better: true
 """
 
-LINES = """task: shakespeare_lines
+LINES = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
@@ -92,7 +92,7 @@ def build(text: str, out: Path, n: int = 200, seed: int = 0) -> list[Path]:
     for name, docs, template in (("shakespeare_cloze", cloze, CLOZE), ("shakespeare_lines", halves, LINES)):
         data = out / f"{name}.jsonl"
         data.write_text("".join(json.dumps(d) + "\n" for d in docs))
-        (out / f"{name}.yaml").write_text(template.format(data=data.resolve()))
+        (out / f"{name}.yaml").write_text(template.format(name=name, data=data.resolve()))
         written += [data, out / f"{name}.yaml"]
     return written
 

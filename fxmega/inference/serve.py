@@ -293,23 +293,22 @@ class _Handler(BaseHTTPRequestHandler):
         goes out, so a bad one still gets its JSON error."""
         self.server.encode(request)
         ident, created = uuid.uuid4().hex, int(time.time())
-        started = []
+        chunks_sent = 0
 
         def send(text: str, finish: str | None) -> None:
-            if not started:
+            nonlocal chunks_sent
+            if chunks_sent == 0:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Cache-Control", "no-cache")
                 self.end_headers()
                 self.close_connection = True  # no length: the stream ends when the connection does
-                started.append(True)
-            if chat:
-                delta = {"role": "assistant", "content": text} if len(started) == 1 else {"content": text}
-                started.append(True)
+            if chat:  # the first delta names the role; the last (the finish reason alone) is empty
+                delta = {"content": text} if text or finish is None else {}
+                delta = {"role": "assistant", **delta} if chunks_sent == 0 else delta
                 chunk = {"id": f"chatcmpl-{ident}", "object": "chat.completion.chunk", "created": created,
                          "model": self.server.model_name,
-                         "choices": [{"index": 0, "delta": delta if text or finish is None else {},
-                                      "logprobs": None, "finish_reason": finish}]}
+                         "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
             else:
                 chunk = {"id": f"cmpl-{ident}", "object": "text_completion", "created": created,
                          "model": self.server.model_name,
@@ -318,6 +317,7 @@ class _Handler(BaseHTTPRequestHandler):
             if finish is not None:
                 self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
+            chunks_sent += 1
 
         self.server.stream(request, send)
         return None
