@@ -190,6 +190,13 @@ def test_generate_until_is_greedy_generation_cut_at_the_stop_strings():
     stop = free[3:5]
     cut = lm.generate_until([Instance("generate_until", {}, ("the quick", {"until": [stop], "max_gen_toks": 12}), 0)])
     assert cut == [free[:free.index(stop)]]
+    # batched with a longer and a shorter prompt, each generates what it generates alone
+    prompts = ["the quick", "over the lazy dog and", "a"]
+    alone = [lm.generate_until([Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 8}), 0)])[0]
+             for p in prompts]
+    together = lm.generate_until([Instance("generate_until", {}, (p, {"until": [], "max_gen_toks": 8}), i)
+                                  for i, p in enumerate(prompts)])
+    assert together == alone
 
 
 def _hf_gpt2_with_byte_tokenizer(folder: Path) -> None:

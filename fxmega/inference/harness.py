@@ -10,7 +10,7 @@ request with the checkpoint's model, on one device or on its mesh:
 - ``loglikelihood_rolling``: a whole text in the harness's own disjoint rolling windows of the
   model's context, each token scored once (perplexity tasks such as wikitext);
 - ``generate_until``: greedy (or sampled, where the task asks) cached generation, cut at the
-  task's stop strings.
+  task's stop strings; requests with the same settings batched, longest first.
 
 On a mesh every rank runs the same harness over the same requests (each is the harness's rank 0
 of 1) and computes the same answers; rank 0 prints the table and writes the results.
@@ -93,26 +93,38 @@ def harness_model(run: LoadedModel, batch_size: int) -> Any:
             return totals
 
         def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
-            out = []
-            for request in requests:
-                context, options = request.args
-                out.append(self._generate(context, dict(options)))
-                self.cache_hook.add_partial("generate_until", request.args, out[-1])
+            """Requests with the same settings generated together, longest prompts first,
+            ``batch_size`` at a time (each row decodes as it would alone)."""
+            settings = [self._settings(dict(request.args[1])) for request in requests]
+            prompts = [self.tok_encode(request.args[0])[-(self.context - new):] or [self.eot_token_id]
+                       for request, (_, new, _) in zip(requests, settings)]
+            groups: dict[tuple[tuple[str, ...], int, float], list[int]] = {}
+            for i, setting in enumerate(settings):
+                groups.setdefault(setting, []).append(i)
+            out = [""] * len(requests)
+            for (until, new, temperature), members in groups.items():
+                members.sort(key=lambda i: -len(prompts[i]))
+                for first in range(0, len(members), batch_size):
+                    rows = members[first:first + batch_size]
+                    generated = generate_on_mesh(self.run, [prompts[i] for i in rows], new, temperature=temperature,
+                                                 stop_tokens=stop_token_ids(self.tok, until))
+                    for i, ids in zip(rows, generated):
+                        out[i] = cut_at_stop(self.tok.decode(ids), until)[0]
+            for request, text in zip(requests, out):
+                self.cache_hook.add_partial("generate_until", request.args, text)
             return out
 
-        def _generate(self, context: str, options: dict[str, Any]) -> str:
+        def _settings(self, options: dict[str, Any]) -> tuple[tuple[str, ...], int, float]:
+            """A request's (stop strings, max new tokens, temperature): greedy unless it samples."""
             until = options.pop("until", None) or []
-            until = [until] if isinstance(until, str) else list(until)
+            until = (until,) if isinstance(until, str) else tuple(until)
             new = int(options.pop("max_gen_toks", 256))
             sample = bool(options.pop("do_sample", False))
-            temperature = float(options.pop("temperature", 1.0 if sample else 0.0)) if sample else 0.0
+            temperature = float(options.pop("temperature", 1.0)) if sample else 0.0
             if new >= self.context:
                 raise ConfigError(f"a task asks for max_gen_toks={new}, which leaves no room for its prompt in the "
                                   f"model's context of {self.context} tokens (model.max_seq_len)")
-            prompt = self.tok_encode(context)[-(self.context - new):] or [self.eot_token_id]
-            ids = generate_on_mesh(self.run, [prompt], new, temperature=temperature,
-                                   stop_tokens=stop_token_ids(self.tok, until))[0]
-            return cut_at_stop(self.tok.decode(ids), until)[0]
+            return until, new, temperature
 
     return FxmegaLM()
 
