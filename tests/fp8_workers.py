@@ -16,12 +16,14 @@ def fp8_config(recipe: str, parallel: dict | None, extra: tuple = ()):
     return tiny_config(parallel, extra=(*AOT_EAGER, f"compute.fp8={recipe}", *extra))
 
 
-def train_cases(cases: dict[str, tuple[str, dict]], steps: int) -> dict | None:
-    """Each case ``name -> (recipe, parallel config)`` trained ``steps`` steps (tests.parity's
-    record). Rank 0 answers."""
+def train_cases(cases: dict[str, tuple], steps: int) -> dict | None:
+    """Each case ``name -> (recipe, parallel config[, config overrides])`` trained ``steps``
+    steps (tests.parity's record, with the bytes the step's all-gathers send per rank under
+    ``"gathered_bytes"``). Rank 0 answers."""
     out = {}
-    for name, (recipe, parallel) in cases.items():
-        _, result, _ = train(fp8_config(recipe, parallel), steps, collectives=False)
+    for name, (recipe, parallel, *extra) in cases.items():
+        _, result, graphs = train(fp8_config(recipe, parallel, *extra), steps, collectives=True)
+        result["gathered_bytes"] = sum(sent for g in graphs for op, _, _, sent in g if "all_gather" in op)
         out[name] = result
     return out if torch.distributed.get_rank() == 0 else None
 

@@ -111,6 +111,17 @@ def test_meshes_not_yet_shown_equal_to_one_device_are_refused(mesh, axis):
         preflight(cfg, model_for(cfg.model), torch.device("cpu"))
 
 
+@pytest.mark.parametrize("sets,match", [
+    (("compute.fp8=rowwise",), "fp8_gather=true with compute.fp8=rowwise: rowwise casts each weight twice"),
+    ((), "set --fp8 tensorwise too"),
+    (("compute.fp8=tensorwise", "parallel.rules=zero1"), "this run gathers no parameters: add --rules zero3"),
+])
+def test_fp8_gathers_it_cannot_make_are_refused(sets, match):
+    cfg = _cfg("parallel.mesh=dp=2", "parallel.rules=zero3", "compute.fp8_gather=true", *sets)
+    with pytest.raises(ConfigError, match=match):
+        preflight(cfg, model_for(cfg.model), torch.device("cpu"))
+
+
 @pytest.mark.slow
 def test_run_py_fp8_trains_evaluates_saves_resumes_exactly_and_generates(tmp_path):
     """``run.py --fp8 rowwise --bf16`` with inductor: 2 steps saved and resumed to 4 log the

@@ -66,6 +66,9 @@ def test_fake_parallel_shards_match_the_plan():
         assert check_placements(par) == 3 * len(par.shards.layouts)
 
 
+FP8_GATHER = ("compute.fp8=tensorwise", "compute.fp8_gather=true")
+
+
 # Traced collectives, each compiled graph once, against the estimate (one micro batch)
 @pytest.mark.parametrize("name,sets", [
     ("tiny_gpt", ["parallel.mesh=dp=2,tp=2"]),
@@ -100,6 +103,9 @@ def test_fake_parallel_shards_match_the_plan():
     # ... and under the distributed optimizer, the matrices in by-owner buckets of their own
     ("tiny_gpt", ["parallel.mesh=dp=3,tp=2", "parallel.zero=1", "parallel.distributed_optimizer=true",
                   "parallel.bucket_size=20000", "optim.optimizer=muon"]),
+    # ZeRO-3 / fsdp gathering the fp8 recipe's weights in fp8: gathers of their own after an amax all-reduce
+    ("tiny_gpt", ["parallel.mesh=dp=2", "parallel.zero=3", *FP8_GATHER]),
+    ("tiny_llama", ["parallel.mesh=fsdp=2", "parallel.rules=fsdp", *FP8_GATHER]),
 ])
 @pytest.mark.slow
 def test_estimated_collectives_equal_the_traced_step(name, sets):
@@ -112,10 +118,17 @@ def test_estimated_collectives_equal_the_traced_step(name, sets):
              "all_to_all_single": "all_to_all"}
     traced = {axis: {names.get(op, op): n for op, (n, _) in ops.items()} for axis, ops in trace.by_axis().items()}
     predicted = {axis: dict(t.ops) for axis, t in estimate_plan(cfg, plan_of(cfg)).traffic.items()}
-    for ops in predicted.values():  # in the graph, Muon's gathers are all-gathers like any other
-        if "muon_all_gather" in ops:
-            ops["all_gather"] = ops.get("all_gather", 0) + ops.pop("muon_all_gather")
+    for ops in predicted.values():  # in the graph, Muon's and fp8's gathers are all-gathers like any other
+        for op in ("muon_all_gather", "all_gather_fp8"):
+            if op in ops:
+                ops["all_gather"] = ops.get("all_gather", 0) + ops.pop(op)
     assert traced == predicted
+    if "compute.fp8_gather=true" in sets:  # and their bytes: over 2 ranks a rank sends its shard, a graph's input
+        planned = estimate_plan(cfg, plan_of(cfg)).traffic
+        for axis, ops in trace.by_axis().items():
+            sent = planned[axis].op_bytes
+            assert ops["all_gather_into_tensor"][1] == sent["all_gather"] + sent.get("all_gather_fp8", 0)
+            assert sent.get("all_gather_fp8", 0) > 0
 
 
 def _saved_by_autograd(model, mcfg, dtype, tp: int) -> int:

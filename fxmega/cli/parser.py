@@ -99,6 +99,8 @@ GROUPS: dict[str, list[Flag]] = {
         Flag("--fp16", "same as --precision fp16 (Megatron's flag)", switch="compute.precision=fp16"),
         Flag("--fp8", key="compute.fp8", help="sets compute.fp8: tensorwise or rowwise scaled fp8 for the dense "
              "layers' weight matmuls, through torchao (pip install 'fxmega[fp8]'); off by default"),
+        Flag("--fp8-gather", "with --fp8 tensorwise under ZeRO-3/fsdp: all-gather those weights in fp8 with their "
+             "scales (half of bf16's gather bytes)", switch="compute.fp8_gather=true"),
     ],
     "distributed": [
         Flag("--mesh", key="parallel.mesh",

@@ -23,5 +23,8 @@ class ComputeConfig:
     recompute_layers: int = 0  # recompute only the first N blocks; 0: all (Megatron: --recompute-num-layers)
     # off | tensorwise | rowwise: the dense layers' weight matmuls in fp8 through torchao (``fxmega.ops.fp8``)
     fp8: str = "off"
+    # ZeRO-3 / fsdp: gather the weights the tensorwise fp8 recipe casts as fp8 bytes with their scales
+    # (torchtitan's enable_fsdp_float8_all_gather): a quarter of fp32's gather bytes, half of bf16's
+    fp8_gather: bool = False
     kernels: str = "reference"  # reference (compiled PyTorch) | triton (hand-written norms and cross-entropy, CUDA)
     loss_chunk: int = 0  # tokens per cross-entropy chunk: fp32 logits exist for one chunk at a time; 0: whole batch

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from fxmega.core.errors import ConfigError
-from fxmega.ops.matmul import PLAIN, MatmulRecipe, plain_matmul
+from fxmega.ops.matmul import PLAIN, MatmulRecipe, WeightUse, plain_matmul
 from fxmega.sharding.mesh import MeshSpec
 
 RECIPES = ("tensorwise", "rowwise")
@@ -44,6 +45,14 @@ NEEDS_HARDWARE = {
 }
 FP8_ROLES = ("linear",)
 DIM_MULTIPLE = 16  # fp8 GEMMs (cuBLASLt's, torch._scaled_mm) need both dims of the weight in multiples of 16
+# recipes whose weights ZeRO-3 / fsdp can gather in fp8 (``compute.fp8_gather``), and why not the others
+GATHERED = ("tensorwise",)
+NOT_GATHERED = {
+    "rowwise": "rowwise casts each weight twice, scaled along each of its two dims (one cast per matmul that "
+               "reads it), so a gather in fp8 would carry two fp8 copies: no fewer bytes than bf16 (torchao's "
+               "and torchtitan's fp8 all-gather is tensorwise only for the same reason)",
+}
+E4M3 = torch.float8_e4m3fn  # tensorwise's weights (and inputs); gradients are e5m2
 MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with fp8 tensor cores
 # mesh axes whose fp8 runs have not been shown equal to one device's yet: refused, with why
 UNTESTED_AXES = {
@@ -64,7 +73,9 @@ class Fp8Filter:
 
     def accepts(self, w: torch.Tensor, role: str) -> bool:
         # under tp the GEMM each rank runs is on its slice of the weight: that is what must divide
-        shape = w.to_local().shape if isinstance(w, DTensor) else w.shape
+        return self.accepts_shape(tuple(w.to_local().shape if isinstance(w, DTensor) else w.shape), role)
+
+    def accepts_shape(self, shape: tuple[int, ...], role: str) -> bool:
         return role in self.roles and len(shape) == 2 and all(d % self.multiple == 0 for d in shape)
 
     def describe(self) -> str:
@@ -86,6 +97,64 @@ def check_mesh(name: str, mesh: MeshSpec) -> None:
         if mesh.size(axis) > 1:
             raise ConfigError(f"compute.fp8={name} with {axis}={mesh.size(axis)}: {why}; drop --fp8, or run "
                               f"without {axis}")
+
+
+def check_gather(name: str) -> None:
+    """``compute.fp8_gather`` with recipe ``name``: refused where the recipe's weights cannot be
+    gathered as one fp8 copy."""
+    if name == "off":
+        raise ConfigError("compute.fp8_gather=true gathers ZeRO-3's weights as the fp8 recipe casts them: set "
+                          f"--fp8 {GATHERED[0]} too")
+    if name not in GATHERED:
+        raise ConfigError(f"compute.fp8_gather=true with compute.fp8={name}: {NOT_GATHERED[name]}; use --fp8 "
+                          f"{GATHERED[0]}, or drop --fp8-gather")
+
+
+def gathered_in_fp8(uses: dict[str, list[WeightUse]], tp_local_shapes: dict[str, tuple[int, ...]],
+                    fp8_filter: Fp8Filter = Fp8Filter()) -> frozenset[str]:
+    """The parameters an fp8 gather may carry in fp8: those every weight matmul reading them
+    (``uses``, from ``models.weight_uses``) casts to fp8 — the filter accepts the role and the
+    2-D weight a rank multiplies, its ``tp_local_shapes`` slice flattened — so that the fp8
+    values are exactly what the matmul would cast. Any other reader (a lookup, the head, the
+    router) needs the weight in the compute precision, and the gather sends it so."""
+    out = set()
+    for path, reads in uses.items():
+        local = tp_local_shapes.get(path)
+        if local is None:
+            continue
+        shapes = [use.local_matmul_shape(local) for use in reads]
+        if all(shape is not None and fp8_filter.accepts_shape(shape, use.role) for use, shape in zip(reads, shapes)):
+            out.add(path)
+    return frozenset(out)
+
+
+def tensorwise_scales(weights: list[torch.Tensor], reduce_amax: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The tensorwise e4m3 scales (fp8 max / amax, as torchao's ``amax_to_scale``) of
+    ``weights``, each amax taken over the whole weight: ``reduce_amax`` maxes the stacked
+    amaxes of this rank's pieces over the ranks holding the others."""
+    from torchao.float8.float8_utils import amax_to_scale  # the fp8 extra
+    # aten's op: dynamo skips the torch._foreach_max binding
+    amax = reduce_amax(torch.stack(torch.ops.aten._foreach_max.default(torch._foreach_abs(weights))).float())
+    return amax_to_scale(amax, E4M3)
+
+
+def to_fp8_bits(weights: list[torch.Tensor], scales: torch.Tensor) -> list[torch.Tensor]:
+    """``weights`` cast to e4m3 with ``scales`` (saturated, as torchao's ``to_fp8_saturated``),
+    as uint8 for transport (every backend moves bytes). Foreach ops: ZeRO-3's checkpoint
+    recomputes them in the backward rather than keeping their outputs (``parallel.zero3``)."""
+    fmax = torch.finfo(E4M3).max
+    scaled = torch._foreach_mul([w.float() for w in weights], list(scales.unbind()))
+    clamped = torch._foreach_clamp_max(torch._foreach_clamp_min(scaled, -fmax), fmax)
+    return [c.to(E4M3).view(torch.uint8) for c in clamped]
+
+
+def from_fp8_bits(bits: list[torch.Tensor], scales: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The weights ``to_fp8_bits`` sent, dequantised to ``dtype``: their fp8 values divided by
+    their scales. The matmul's tensorwise cast of them gives back the same fp8 values (each
+    is within rounding of one, and fp8's spacing is 2^-3 of it), with a scale equal to
+    ``scales`` to the rounding of ``dtype``."""
+    values = torch._foreach_div([b.view(E4M3).float() for b in bits], list(scales.unbind()))
+    return [v.to(dtype) for v in values]
 
 
 def emulated(device: torch.device) -> bool:

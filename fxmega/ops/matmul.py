@@ -19,6 +19,7 @@ matmuls, and stay in SDPA / ``ops.attention_blocks``.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -73,3 +74,41 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, ends: torch.Tensor) -> torch.Te
     """Rows of ``x`` sorted by expert times their expert's ``w`` (``torch._grouped_mm``) under
     the active recipe."""
     return _active.grouped_mm(x, w, ends)
+
+
+@dataclass(frozen=True)
+class WeightUse:
+    """One weight matmul's reading of a parameter: its ``role``, the parameter's full shape,
+    and the 2-D ``[in, out]`` weight the matmul multiplies (the parameter's dims flattened
+    in two groups, as ``ops.layers.project_to_heads`` flattens ``[embed, heads, head_dim]``)."""
+
+    role: str
+    param_shape: tuple[int, ...]
+    matmul_shape: tuple[int, int]
+
+    def local_matmul_shape(self, local_param_shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """The 2-D weight a rank multiplies when it holds ``local_param_shape`` of the
+        parameter (a tp slice), flattened as the full one is; None if the full matmul's
+        weight is not the parameter's dims in two groups in order."""
+        shape = self.param_shape
+        for k in range(1, len(shape)):
+            if (math.prod(shape[:k]), math.prod(shape[k:])) == self.matmul_shape:
+                return math.prod(local_param_shape[:k]), math.prod(local_param_shape[k:])
+        return None
+
+
+def recording(params: dict[int, str], uses: dict[str, list[WeightUse]]) -> MatmulRecipe:
+    """A plain recipe that also notes, in ``uses``, which parameter each weight matmul reads:
+    ``params`` maps ``id`` of each parameter tensor to its path, and a matmul's weight is
+    found through its views (``reshape``, ``t``) back to the parameter it was made from."""
+
+    def recorded(x: torch.Tensor, w: torch.Tensor, role: str) -> torch.Tensor:
+        base = w
+        while base._base is not None:
+            base = base._base
+        if id(base) in params and w.dim() == 2:
+            uses.setdefault(params[id(base)], []).append(
+                WeightUse(role, tuple(base.shape), (w.shape[0], w.shape[1])))
+        return plain_matmul(x, w, role)
+
+    return MatmulRecipe("recording", recorded)

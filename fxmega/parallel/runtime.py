@@ -36,8 +36,9 @@ from fxmega.parallel.grad_sync import GradientSync
 from fxmega.parallel.groups import ProcessGroups
 from fxmega.parallel.matrix_pieces import with_pieces
 from fxmega.parallel.param_shards import ParamShards
-from fxmega.parallel.zero3 import gathered_call
+from fxmega.parallel.zero3 import Fp8Gather, gathered_call
 from fxmega.sharding import layout
+from fxmega.sharding.mesh import PHYSICAL_ORDER
 from fxmega.sharding.plan import ShardingPlan
 
 
@@ -82,6 +83,24 @@ class Parallel:
         # ZeRO-3 / FSDP: the groups parameters are gathered over (experts, split over ep, over fewer ranks)
         self._gathers = {axes: (axes, self.groups.size(axes), self.groups.group(axes))
                          for axes in (lay.data_axes["param"] for lay in self.shards.layouts) if axes}
+        self._fp8_gathers: dict[str, Fp8Gather] = {}  # ``gather_in_fp8``
+
+    def gather_in_fp8(self, paths: frozenset[str]) -> None:
+        """Gather this rank's parameters at ``paths`` (those ZeRO-3 gathers) as fp8 bytes with
+        their tensorwise scales (``compute.fp8_gather``; which ones: ``ops.fp8.gathered_in_fp8``),
+        each amax maxed over the ranks holding its pieces: the data axes, and tp where tp
+        splits it too (its scale is the whole weight's). Set before the first step is traced
+        (the groups are made here: a traced step cannot make them)."""
+        self._fp8_gathers = {}
+        for lay in self.shards.layouts:
+            if lay.path in paths and lay.data_axes["param"]:
+                spread = set(lay.data_axes["param"]) | ({"tp"} if lay.tp_dim is not None else set())
+                axes = tuple(a for a in PHYSICAL_ORDER if a in spread)
+                self._fp8_gathers[lay.path] = axes, self.groups.group(axes)
+
+    @property
+    def fp8_gathered(self) -> frozenset[str]:
+        return frozenset(self._fp8_gathers)
 
     def init_opt_state(self, optimizer: Optimizer, device: torch.device | str) -> dict:
         """Fresh state of ``optimizer`` for this rank's optimizer shard: each of its state
@@ -115,7 +134,8 @@ class Parallel:
                                 recompute)(leaves, *args)
         gathers = [self._gathers.get(lay.data_axes["param"]) for lay in leaf_lays]
         return gathered_call(fn, leaves, dims, gathers, rebuild, *args, regather=self.regather,
-                             recompute=recompute, dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
+                             recompute=recompute, dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype,
+                             fp8_gathers=[self._fp8_gathers.get(lay.path) for lay in leaf_lays])
 
     def local_batch(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What this rank reads of one of its data rank's micro batches: all of it, or under

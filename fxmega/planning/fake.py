@@ -28,6 +28,8 @@ from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.core.precision import compute_dtype
 from fxmega.models import loss_by_pieces, model_for
+from fxmega.models.weight_uses import fp8_gathered
+from fxmega.ops import fp8, matmul
 from fxmega.optim.optimizer import Optimizer, ParamRole, optimizer_for
 from fxmega.parallel.distributed import checked_plan, rank_parallel
 from fxmega.parallel.runtime import Parallel
@@ -122,6 +124,8 @@ def trace_rank_step(cfg: RunConfig, par: Parallel) -> RankTrace:
     update are not in the trace."""
 
     start = time.perf_counter()
+    if cfg.compute.fp8_gather:  # as ``Run`` sets it: the weights the fp8 recipe's matmuls cast
+        par.gather_in_fp8(fp8_gathered(cfg.model, par.plan.tp_shapes()))
     params = meta_params(par)
     optimizer = optimizer_for(cfg.optim)
     opt = par.init_opt_state(optimizer, "meta")
@@ -130,7 +134,7 @@ def trace_rank_step(cfg: RunConfig, par: Parallel) -> RankTrace:
     batch = {"inputs": torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta"),
              "targets": torch.zeros(t.micro_batch_size, t.seq_len, dtype=torch.long, device="meta")}
     batch = par.local_batch(batch)  # under cp: this rank's chunks and their positions
-    with record_collectives() as graphs:
+    with record_collectives() as graphs, matmul.use(fp8.recipe_for(cfg.compute.fp8, torch.device("meta"))):
         if par.plan.pipeline is None:
             loss_sum = par.loss_sum_fn(loss_by_pieces(cfg.model, par.compute))
             step = TrainStep(loss_sum, roles, optimizer, cfg.optim.clip_grad, compile=True, parallel=par,

@@ -16,6 +16,7 @@ from fxmega.config import RunConfig
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.models import family_name, model_for
+from fxmega.models.weight_uses import fp8_gathered
 from fxmega.optim.matrices import matrix_view
 from fxmega.optim.optimizer import optimizer_for
 from fxmega.parallel.strategy import run_plan
@@ -69,8 +70,9 @@ def estimate_plan(cfg: RunConfig, plan: ShardingPlan) -> PlanEstimate:
         matrices = {path: view for path, view in zip(tree.paths(specs), map(matrix_view, tree.leaves(specs)))
                     if view is not None}
     mine = [p for p in plan.params.values() if 0 in plan.pp_owners(p.path)]
+    in_fp8 = fp8_gathered(cfg.model, plan.tp_shapes()) if cfg.compute.fp8_gather else frozenset()
     return PlanEstimate(plan, work, mem, communication(plan, cfg.model, work, cfg.parallel.bucket_size,
-                                                       matrices=matrices),
+                                                       matrices=matrices, fp8_gathered=in_fp8),
                         whole_matrix_minimum(plan, mine, orthogonalised_here(plan, mine, matrices,
                                                                              cfg.parallel.bucket_size)))
 
@@ -160,6 +162,12 @@ def traffic_table(est: PlanEstimate) -> list[str]:
         lines.append(f"  muon_all_gather: the sliced hidden matrices gathered whole for Newton-Schulz, "
                      f"{format_bytes(gathered)}; the least any scheme sends (each matrix to one owner rank and "
                      f"back) is {format_bytes(est.matrix_minimum)}")
+    in_fp8 = sum(t.op_bytes.get("all_gather_fp8", 0.0) for t in est.traffic.values())
+    if in_fp8:
+        precision = est.work.precision
+        lines.append(f"  all_gather_fp8: the fp8 recipe's weights gathered as e4m3 bytes with their scales, "
+                     f"{format_bytes(in_fp8)}; in {precision} they would be "
+                     f"{format_bytes(in_fp8 * estimate.DTYPE_BYTES[precision])}")
     return lines
 
 

@@ -46,7 +46,7 @@ from fxmega.planning.estimate import (
     saved_count,
     vocab_split,
 )
-from fxmega.sharding.mesh import DATA_AXES
+from fxmega.sharding.mesh import DATA_AXES, PHYSICAL_ORDER
 from fxmega.sharding.plan import ShardingPlan
 
 
@@ -73,9 +73,11 @@ class AxisTraffic:
 
 def communication(plan: ShardingPlan, model_cfg: ModelConfig, work: Workload,
                   bucket_numel: int = 40_000_000, pp_rank: int = 0,
-                  matrices: dict[str, MatrixView] | None = None) -> dict[str, AxisTraffic]:
+                  matrices: dict[str, MatrixView] | None = None,
+                  fp8_gathered: frozenset[str] = frozenset()) -> dict[str, AxisTraffic]:
     """Bytes each rank of pp rank ``pp_rank`` sends per step, and collectives, per mesh axis.
-    ``matrices``: the hidden matrices of an optimizer that updates them whole (Muon), by path."""
+    ``matrices``: the hidden matrices of an optimizer that updates them whole (Muon), by path;
+    ``fp8_gathered``: the parameters ZeRO-3 gathers in fp8 (``compute.fp8_gather``), by path."""
     mesh, act = plan.mesh, work.act_bytes
     traffic: dict[str, AxisTraffic] = {}
     shapes = block_shapes(plan, model_cfg, work)
@@ -93,7 +95,7 @@ def communication(plan: ShardingPlan, model_cfg: ModelConfig, work: Workload,
     data_axes = tuple(a for a in DATA_AXES if mesh.size(a) > 1)
     if data_axes:
         _data_traffic(plan, mine, work, bucket_numel, traffic, model_groups(model_cfg),
-                      embed_backward_reads_params(model_cfg), matrices or {})
+                      embed_backward_reads_params(model_cfg), matrices or {}, fp8_gathered)
     for axes, numel, world in matrix_gathers(plan, mine, orthogonalised_here(plan, mine, matrices or {},
                                                                                bucket_numel)):
         traffic.setdefault("+".join(axes), AxisTraffic()).add("muon_all_gather", 1, numel * FP32, world)
@@ -320,7 +322,7 @@ def whole_matrix_minimum(plan: ShardingPlan, mine: list, matrices: dict[str, Mat
 
 def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: int,
                   traffic: dict[str, AxisTraffic], groups: tuple[tuple[str, ...], tuple[str, ...]],
-                  embed_regathered: bool, matrices: dict[str, MatrixView]) -> None:
+                  embed_regathered: bool, matrices: dict[str, MatrixView], fp8_gathered: frozenset[str]) -> None:
     """The data axes' collectives, as ``Parallel`` schedules them: each op over the axes it
     spans (HSDP: gathers over fsdp, replica all-reduce over dp), bucketed the same way.
     ``matrices``: the hidden matrices of a whole-matrix optimizer (by-owner buckets under the
@@ -352,12 +354,25 @@ def _data_traffic(plan: ShardingPlan, mine: list, work: Workload, bucket_numel: 
     # the axes that shard them (one collective per piece and group: with ep, a block's experts
     # over their own data ranks); gradients reduce-scattered. The embedding's backward reads
     # no parameters unless the family says so (a lookup needs only the ids)
+    # ``fp8_gathered`` weights travel in gathers of their own (one per piece and amax group),
+    # one byte per element, after one all-reduce of their amaxes (fp32, over the ranks holding
+    # their pieces: the data axes, and tp where it splits them) that the backward's gather reuses
     copy = DTYPE_BYTES[work.precision]
     for axes, gathered in sorted(by_axes.items()):
-        for kind, numel in _pieces(gathered, groups):
-            again = embed_regathered if kind == "embed" else True
-            add("all_gather", axes, n * (2 if again else 1), numel * copy)
-            add("reduce_scatter", axes, n, numel * reduce)
+        kinds: dict[tuple[str, ...] | None, list] = {}  # amax axes (None: not in fp8) -> parameters
+        for p in gathered:
+            spread = set(axes) | ({"tp"} if p.tp_dim is not None else set())
+            amax_axes = tuple(a for a in PHYSICAL_ORDER if a in spread) if p.path in fp8_gathered else None
+            kinds.setdefault(amax_axes, []).append(p)
+        for amax_axes, part in sorted(kinds.items(), key=lambda kv: kv[0] or ()):
+            for kind, numel, count in _pieces(part, groups):
+                again = embed_regathered if kind == "embed" else True
+                if amax_axes is None:
+                    add("all_gather", axes, n * (2 if again else 1), numel * copy)
+                else:
+                    add("all_gather_fp8", axes, n * (2 if again else 1), numel)
+                    add("all_reduce", amax_axes, n, count * FP32)
+                add("reduce_scatter", axes, n, numel * reduce)
     # ZeRO-2: the gradient's extra data axes, reduce-scattered per micro batch
     scheduled("reduce_scatter", lambda p: extra(p, "grad", "param"), lambda p: p.local_numel("param"), n, reduce)
     # ZeRO-1: onto the optimizer's shards, once per step
@@ -389,24 +404,23 @@ def _full(p: Any) -> int:
     return p.local_numel("param") * p.data_split("param")
 
 
-def _pieces(params: list, groups: tuple[tuple[str, ...], tuple[str, ...]]) -> list[tuple[str, int]]:
-    """``(kind, gathered elements)`` per model piece, in order: the embedding group, each
-    block, the head group (a tied embedding is gathered again with the head): ZeRO-3's
-    buckets."""
-    full = _full
-
+def _pieces(params: list, groups: tuple[tuple[str, ...], tuple[str, ...]]) -> list[tuple[str, int, int]]:
+    """``(kind, gathered elements, parameters)`` per model piece, in order: the embedding
+    group, each block, the head group (a tied embedding is gathered again with the head):
+    ZeRO-3's buckets."""
     embed_groups, head_groups = groups
-    blocks: dict[str, int] = {}
+    pieces: dict[str, tuple[str, list]] = {}  # key -> (kind, its parameters), in order
     for p in params:
+        top = p.path.split(".")[0]
         if p.path.startswith("blocks."):
-            key = ".".join(p.path.split(".")[:2])
-            blocks[key] = blocks.get(key, 0) + full(p)
-    embed = sum(full(p) for p in params if p.path.split(".")[0] in embed_groups)
-    head = sum(full(p) for p in params if p.path.split(".")[0] in head_groups)
-    if not embed_groups and not head_groups:  # a model without the groups: its top-level names
-        rest: dict[str, int] = {}
-        for p in params:
-            if not p.path.startswith("blocks."):
-                rest[p.path.split(".")[0]] = rest.get(p.path.split(".")[0], 0) + full(p)
-        return [("other", n) for n in rest.values()] + [("block", n) for n in blocks.values()]
-    return [(k, n) for k, n in (("embed", embed), *(("block", b) for b in blocks.values()), ("head", head)) if n]
+            pieces.setdefault(".".join(p.path.split(".")[:2]), ("block", []))[1].append(p)
+        elif not embed_groups and not head_groups:  # a model without the groups: its top-level names
+            pieces.setdefault(top, ("other", []))[1].append(p)
+    embed = [p for p in params if p.path.split(".")[0] in embed_groups]
+    head = [p for p in params if p.path.split(".")[0] in head_groups]
+    if not embed_groups and not head_groups:
+        ordered = [v for k, v in pieces.items() if not k.startswith("blocks.")] + \
+                  [v for k, v in pieces.items() if k.startswith("blocks.")]
+    else:
+        ordered = [("embed", embed), *(v for k, v in pieces.items()), ("head", head)]
+    return [(kind, sum(_full(p) for p in ps), len(ps)) for kind, ps in ordered if ps]

@@ -115,6 +115,17 @@ class ShardingPlan:
         """Bytes per parameter (and gradient) element: the master dtype's."""
         return self.master_dtype.itemsize
 
+    def tp_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each parameter's shape as tp leaves it: the slice a ZeRO-3 piece gathers whole and
+        multiplies (padded, as ``ParamLayout.shape``)."""
+        out = {}
+        for lay in self.params.values():
+            shape = list(lay.shape)
+            if lay.tp_dim is not None:
+                shape[lay.tp_dim] //= lay.tp_size
+            out[lay.path] = tuple(shape)
+        return out
+
     def pp_owners(self, path: str) -> list[int]:
         """The pp ranks that hold parameter ``path`` (all of them: [0] without pp)."""
         if self.pipeline is None:
@@ -130,6 +141,11 @@ class ShardingPlan:
     @property
     def zero(self) -> int:
         return self.strategy.zero
+
+    @property
+    def gathers_params(self) -> bool:
+        """Whether parameters are stored split over data axes and gathered per piece (ZeRO-3 / fsdp)."""
+        return any(lay.data_axes["param"] for lay in self.params.values())
 
     @property
     def sequence_parallel(self) -> bool:

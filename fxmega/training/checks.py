@@ -59,6 +59,12 @@ def check_compute(cfg: RunConfig, plan: ShardingPlan | None, device: torch.devic
         if plan is not None:
             fp8.check_mesh(c.fp8, plan.mesh)
         fp8.recipe_for(c.fp8, device)  # torchao is installed
+    if c.fp8_gather:
+        fp8.check_gather(c.fp8)
+        if plan is None or not plan.gathers_params:
+            raise ConfigError("compute.fp8_gather=true carries ZeRO-3 / fsdp's parameter all-gathers in fp8; this run "
+                              "gathers no parameters: add --rules zero3 (or an fsdp axis to --mesh), or drop "
+                              "--fp8-gather")
     if t.cuda_graphs:
         if device.type != "cuda":
             raise ConfigError(f"train.cuda_graphs=true replays the step's GPU kernels from a captured CUDA graph; this "

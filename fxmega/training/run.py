@@ -24,6 +24,7 @@ from fxmega.inference.generate_parallel import generate_on_mesh
 from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq, is_encoder_decoder
 from fxmega.models import loss_by_pieces, model_for
 from fxmega.models.family import ModelFamily
+from fxmega.models.weight_uses import fp8_gathered
 from fxmega.ops import aux_loss, fp8, kernels, matmul, recompute, tied_embedding_grad
 from fxmega.ops.init import init_params
 from fxmega.ops.objectives import Objective
@@ -84,6 +85,8 @@ class Run:
             set_deterministic()
         self.compute_dtype = precision.compute_dtype(cfg.compute.precision)
         self.matmul_recipe = fp8.recipe_for(cfg.compute.fp8, self.device)  # plain unless compute.fp8
+        if cfg.compute.fp8_gather:  # which weights ZeRO-3 gathers in fp8: those the recipe's matmuls cast
+            parallel.gather_in_fp8(fp8_gathered(cfg.model, parallel.plan.tp_shapes(), self.model, self.objective))
         self.specs = self.model.param_specs(cfg.model)
         # the parameters this process holds: all of them, or its pipeline stages' (global paths)
         self.local_specs = self.specs if parallel is None else parallel.specs

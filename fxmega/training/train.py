@@ -67,7 +67,8 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
              f"reductions in {c.grad_reduce}, recompute {c.recompute}"
              f"{f' (first {c.recompute_layers} blocks)' if c.recompute != 'none' and c.recompute_layers else ''}, "
              f"{c.kernels} kernels, cross-entropy {f'in chunks of {c.loss_chunk} tokens' if c.loss_chunk else 'whole'}"
-             f"{'; ' + fp8.describe(c.fp8, run.device) if c.fp8 != 'off' else ''}")
+             f"{'; ' + fp8.describe(c.fp8, run.device) if c.fp8 != 'off' else ''}"
+             f"{f'; {len(parallel.fp8_gathered)} weights all-gathered in fp8' if c.fp8_gather else ''}")
     log.info(f"data: {run.data.description}")
     run_log = RunLog(t.log_jsonl, t.tensorboard_dir, tracking.sinks(cfg, to_dict(cfg))) if main else RunLog()
     result = RunResult(run=run)
