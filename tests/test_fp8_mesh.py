@@ -152,3 +152,20 @@ def test_run_py_zero3_with_fp8_gathers_trains_evaluates_saves_resumes_and_genera
     capsys.readouterr()
     assert main(["plan", "--config", config, *fp8_flags, *mesh]) == 0
     assert "all_gather_fp8: the fp8 recipe's weights gathered as e4m3 bytes" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.e2e
+def test_fp8_gathers_under_tp_take_each_scale_over_the_whole_weight():
+    """dp=2 x tp=2 with ZeRO-3: a weight's pieces are spread over dp and tp, so its amax is
+    maxed over both (one all-reduce over dp x tp); 3 steps train bit for bit as the fp32
+    gathers (where the matmul's DTensor amax is the whole weight's)."""
+    zero3_tp = dict(mesh="dp=2,tp=2", rules="zero3")
+    got = run_ranks(4, "tests.fp8_workers:train_cases",
+                    {"fp32": ("tensorwise", zero3_tp), "fp8": ("tensorwise", zero3_tp, ("compute.fp8_gather=true",))},
+                    STEPS)[0]
+    assert got["fp8"]["losses"] == got["fp32"]["losses"] and got["fp8"]["grad_norms"] == got["fp32"]["grad_norms"]
+    for key in ("first_moment", "params"):
+        for path, want in got["fp32"][key].items():
+            assert torch.equal(got["fp8"][key][path], want), f"{key} {path}"
+    assert got["fp8"]["gathered_bytes"] < got["fp32"]["gathered_bytes"] / 2
