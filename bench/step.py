@@ -9,11 +9,20 @@ Prints tokens/s and MFU for each and fxmega's ratio to the others. ``--precision
 runs fxmega with bf16 compute (fp32 masters) and plain PyTorch under bf16 autocast.
 
 The plain model is nanoGPT's structure (fused QKV ``Linear``, SDPA, tied head; AdamW fused
-where torch has it, else foreach). ``--preset nanogpt`` is nanoGPT's small Shakespeare-char
-model scaled to GPT-2's vocabulary (6 layers x 384, 6 heads, sequence 256, batch 8,
-vocabulary 50304); ``--preset gpt2`` is GPT-2 124M at sequence 1024 (for a GPU).
+where torch has it, else foreach), or with ``--family llama`` Llama's (``plain_llama.py``).
+``--preset nanogpt`` is nanoGPT's small Shakespeare-char model scaled to GPT-2's vocabulary
+(6 layers x 384, 6 heads, sequence 256, batch 8, vocabulary 50304); ``--preset gpt2`` is
+GPT-2 124M at sequence 1024 (for a GPU); ``--preset llama1b`` a Llama of 1.1B parameters
+(Llama 3.2 1B's width, depth and grouped-query heads, with Llama 2's 32000-token vocabulary).
+
+``--fp8 tensorwise|rowwise`` runs fxmega's weight matmuls through its fp8 recipe
+(``compute.fp8``) and converts the plain model's ``nn.Linear`` layers with torchao's
+``convert_to_float8_training`` under the same recipe and the same filter (both weight dims
+multiples of 16, not the output head): torchtitan's way, so the baseline is plain PyTorch
+with torchao's fp8. MFU stays against the bf16 peak, as torchtitan reports fp8 runs.
 
     python bench/step.py [--preset nanogpt] [--d-model 256 --layers 4 --seq 128 --batch 8 --precision bf16]
+    python bench/step.py --preset llama1b --precision bf16 --fp8 rowwise --no-eager
 """
 
 from __future__ import annotations
@@ -30,10 +39,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from plain_gpt import PlainGPT  # noqa: E402
+from plain_llama import PlainLlama  # noqa: E402
 
 from fxmega.config import ComputeConfig, DataConfig, OptimConfig, RunConfig, TrainConfig  # noqa: E402
 from fxmega.core.precision import compute_dtype  # noqa: E402
-from fxmega.models import gpt  # noqa: E402
+from fxmega.models import gpt, llama  # noqa: E402
+from fxmega.ops import fp8  # noqa: E402
+from fxmega.ops.init import count_params  # noqa: E402
 from fxmega.training.metrics import device_peak, model_flops_per_token  # noqa: E402
 from fxmega.training.run import Run  # noqa: E402
 
@@ -59,7 +71,40 @@ def interleaved(step_fns: dict, steps: int, warmup: int, rounds: int, sync) -> d
 PRESETS = {  # shapes named in the README's table
     "nanogpt": {"d_model": 384, "layers": 6, "heads": 6, "vocab": 50304, "seq": 256, "batch": 8},
     "gpt2": {"d_model": 768, "layers": 12, "heads": 12, "vocab": 50304, "seq": 1024, "batch": 8},
+    "llama1b": {"family": "llama", "d_model": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "d_ff": 8192,
+                "vocab": 32000, "seq": 2048, "batch": 4},
 }
+
+
+def plain_model(args: argparse.Namespace) -> torch.nn.Module:
+    if args.family == "llama":
+        return PlainLlama(args.vocab, args.d_model, args.layers, args.heads, args.kv_heads or args.heads, args.d_ff)
+    return PlainGPT(args.vocab, args.seq, args.d_model, args.layers, args.heads)
+
+
+def model_config(args: argparse.Namespace) -> object:
+    if args.family == "llama":
+        return llama.Config(vocab_size=args.vocab, max_seq_len=args.seq, d_model=args.d_model, n_layers=args.layers,
+                            n_heads=args.heads, n_kv_heads=args.kv_heads, d_ff=args.d_ff, rope_theta=500000.0)
+    return gpt.Config(vocab_size=args.vocab, max_seq_len=args.seq, d_model=args.d_model, n_layers=args.layers,
+                      n_heads=args.heads)
+
+
+def to_fp8(model: torch.nn.Module, recipe: str, device: torch.device) -> torch.nn.Module:
+    """``model``'s linear layers as torchao's Float8Linear under ``recipe``, filtered as
+    fxmega's recipe filters (``fxmega.ops.fp8.Fp8Filter``): both dims multiples of 16, not the
+    output head; emulated where the device has no fp8 tensor cores, as fxmega's is."""
+    import dataclasses
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=fp8.emulated(device))
+    multiple = fp8.Fp8Filter().multiple
+
+    def accepts(module: torch.nn.Module, fqn: str) -> bool:
+        return fqn != "head" and all(d % multiple == 0 for d in module.weight.shape)
+
+    return convert_to_float8_training(model, config=config, module_filter_fn=accepts)
 
 
 def fused_or_foreach(device: torch.device) -> dict[str, bool]:
@@ -74,6 +119,10 @@ def fused_or_foreach(device: torch.device) -> dict[str, bool]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), help="a named shape (overrides the shape options)")
+    ap.add_argument("--family", default="gpt", choices=["gpt", "llama"])
+    ap.add_argument("--kv-heads", type=int, default=0, help="llama: key/value heads (0: as many as query heads)")
+    ap.add_argument("--d-ff", type=int, default=0,
+                    help="llama: the MLP's hidden width (0: 8/3 d_model, rounded to 256)")
     ap.add_argument("--d-model", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8)
@@ -89,9 +138,14 @@ def main() -> None:
     ap.add_argument("--kernels", default="reference", choices=["reference", "triton"])
     ap.add_argument("--loss-chunk", type=int, default=0)
     ap.add_argument("--cuda-graphs", action="store_true", help="fxmega's step as CUDA graphs (train.cuda_graphs)")
+    ap.add_argument("--fp8", default="off", choices=["off", *fp8.RECIPES],
+                    help="fxmega's fp8 recipe, and torchao's Float8Linear with it in the plain model")
+    ap.add_argument("--no-eager", action="store_true", help="leave out the plain eager model (time on a lent GPU)")
     args = ap.parse_args()
     if args.preset:
         vars(args).update(PRESETS[args.preset])
+    if args.family == "llama" and not args.d_ff:
+        args.d_ff = (8 * args.d_model // 3 + 255) // 256 * 256
     if args.tf32:
         torch.set_float32_matmul_precision("high")
     device = torch.device(args.device)
@@ -99,22 +153,25 @@ def main() -> None:
     tokens_per_step = args.batch * args.seq
 
     cfg = RunConfig(
-        model=gpt.Config(vocab_size=args.vocab, max_seq_len=args.seq, d_model=args.d_model,
-                         n_layers=args.layers, n_heads=args.heads),
+        model=model_config(args),
         train=TrainConfig(steps=10**6, micro_batch_size=args.batch, global_batch_size=args.batch,
                           seq_len=args.seq, device=args.device, cuda_graphs=args.cuda_graphs),
         optim=OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant", clip_grad=0.0),
         data=DataConfig(source="mock"),
-        compute=ComputeConfig(precision=args.precision, kernels=args.kernels, loss_chunk=args.loss_chunk),
+        compute=ComputeConfig(precision=args.precision, kernels=args.kernels, loss_chunk=args.loss_chunk,
+                              fp8=args.fp8),
     )
     run = Run(cfg)
     autocast_dtype = compute_dtype(args.precision)
     batches = [run.train_data.global_batch(i, args.batch) for i in range(4)]
     step_fns = {"fxmega compiled step": lambda i: run.do_step()}
     adamw_kind = fused_or_foreach(device)
-    for name, compile_model in (("plain nn.Module eager", False), ("plain nn.Module compiled", True)):
+    plain = (("plain nn.Module eager", False), ("plain nn.Module compiled", True))
+    for name, compile_model in plain[1:] if args.no_eager else plain:
         torch.manual_seed(0)
-        model = PlainGPT(args.vocab, args.seq, args.d_model, args.layers, args.heads).to(device)
+        model = plain_model(args).to(device)
+        if args.fp8 != "off":
+            model = to_fp8(model, args.fp8, device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **adamw_kind)
         fwd = torch.compile(model) if compile_model else model
 
@@ -133,8 +190,11 @@ def main() -> None:
     ours = tokens_per_step / statistics.median(results["fxmega compiled step"])
     flops = model_flops_per_token(run.specs, cfg.model, args.seq)
     peak = device_peak(device, autocast_dtype)
-    print(f"\nGPT d_model={args.d_model} layers={args.layers} heads={args.heads} vocab={args.vocab} "
-          f"seq={args.seq} batch={args.batch}, {args.precision}, kernels {args.kernels}, {device}, "
+    shape = f"kv_heads={args.kv_heads or args.heads} d_ff={args.d_ff} " if args.family == "llama" else ""
+    print(f"\n{args.family.upper()} d_model={args.d_model} layers={args.layers} heads={args.heads} {shape}"
+          f"vocab={args.vocab} seq={args.seq} batch={args.batch}, {args.precision}"
+          f"{'' if args.fp8 == 'off' else f' + fp8 {args.fp8} (torchao in the plain model)'}, "
+          f"kernels {args.kernels}, {count_params(run.specs) / 1e6:,.1f}M parameters, {device}, "
           f"plain AdamW {'fused' if 'fused' in adamw_kind else 'foreach'}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; MFU against "
           f"{peak.flops / 1e12:.1f} TFLOP/s ({peak.source})")
