@@ -13,7 +13,9 @@ import torch
 from fxmega.config import load, override
 from fxmega.core.errors import ConfigError
 from fxmega.models import model_for
+from fxmega.models.weight_uses import weight_uses
 from fxmega.ops import fp8, matmul
+from fxmega.ops.matmul import WeightUse
 from fxmega.training.checks import preflight
 from fxmega.training.run import Run
 from tests.commands import run_py
@@ -175,3 +177,23 @@ def test_200_steps_train_as_well_as_bf16(tmp_path):
         got = _losses(name, tmp_path)
         assert got != base  # fp8 is on
         assert tail(got) <= tail(base) + 2 * spread, (name, tail(got), tail(base), spread)
+
+
+def test_fp8_gathers_take_the_weights_whose_every_matmul_casts_on_the_rank_s_slice():
+    """Which weights ZeRO-3 gathers in fp8: found from the matmuls the loss runs (the tiny
+    GPT's four linear weights per block; not the tied embedding, read by the lookup and the
+    head), each judged on the 2-D weight a tp rank multiplies: an MLP of 96 on tp=2 leaves
+    48 per rank, a multiple of 16, and of 80 leaves 40, which the recipe leaves in bf16."""
+    cfg = _cfg()
+    model = model_for(cfg.model)
+    uses = weight_uses(cfg.model, model, model.objective(cfg.model))
+    shapes = {path: uses[path][0].param_shape for path in uses}
+    assert fp8.gathered_in_fp8(uses, shapes) == {f"blocks.{i}.{w}" for i in range(cfg.model.n_layers)
+                                                 for w in ("attn.wqkv", "attn.wo", "mlp.w_in", "mlp.w_out")}
+    d = cfg.model.d_model
+    for d_ff, kept in ((96, True), (80, False)):
+        mlp = WeightUse("linear", (d, d_ff), (d, d_ff))
+        assert bool(fp8.gathered_in_fp8({"w": [mlp]}, {"w": (d, d_ff // 2)})) == kept
+    # a [heads, head_dim, embed] weight flattened as the matmul flattens it, on its tp slice
+    wo = WeightUse("linear", (4, 16, d), (64, d))
+    assert wo.local_matmul_shape((2, 16, d)) == (32, d)
