@@ -12,7 +12,7 @@ import torch
 from fxmega.cli import main
 from fxmega.core import tree
 from fxmega.core.errors import CheckpointError, ConfigError
-from fxmega.models import gpt, llama, mixtral
+from fxmega.models import deepseek_v3, gpt, llama, mixtral
 from fxmega.ops.init import init_params
 from fxmega.ops.rope import RopeScaling
 from fxmega.storage.convert import config_from_hf, from_hf, to_hf
@@ -79,10 +79,34 @@ def _hf_qwen2_moe():
     return transformers.Qwen2MoeForCausalLM(cfg)
 
 
+def _hf_deepseek_v3():
+    # MLA with odd widths (3 heads; latents 28 and 20; no-position 10 + rotary 8 query/key dims,
+    # values 12), YaRN with DeepSeek's two temperatures, rotary dims interleaved as DeepSeek
+    # stores them; sigmoid routing over 4 groups of 2 experts (2 groups eligible) with a
+    # selection bias, a shared expert, the first layer dense
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=100, hidden_size=48, intermediate_size=80, moe_intermediate_size=24, num_hidden_layers=3,
+        num_attention_heads=3, num_key_value_heads=3, q_lora_rank=28, kv_lora_rank=20, qk_nope_head_dim=10,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        max_position_embeddings=128, rope_interleave=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8,
+                         "mscale_all_dim": 0.7},
+        bos_token_id=0, eos_token_id=0, attn_implementation="sdpa", experts_implementation="eager")
+    model = transformers.DeepseekV3ForCausalLM(cfg)
+    for name, bias in model.named_buffers():  # the selection bias: a trained model's is not zero
+        if name.endswith("e_score_correction_bias"):
+            bias.copy_(torch.linspace(-0.05, 0.05, bias.numel()))
+    return model
+
+
 # name -> (the transformers model, fxmega's module, fxmega's family)
 MODELS = {"gpt2": (_hf_gpt2, gpt, "gpt"), "llama": (_hf_llama, llama, "llama"),
           "mixtral": (_hf_mixtral, mixtral, "mixtral"), "qwen3_moe": (_hf_qwen3_moe, mixtral, "mixtral"),
-          "qwen2_moe": (_hf_qwen2_moe, mixtral, "mixtral")}
+          "qwen2_moe": (_hf_qwen2_moe, mixtral, "mixtral"),
+          "deepseek_v3": (_hf_deepseek_v3, deepseek_v3, "deepseek_v3")}
+ROUTED_IN_FP32 = ("mixtral", "deepseek_v3")  # transformers' routers run in fp32 in a float64 model
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -93,17 +117,17 @@ def test_round_trip_with_float64_logits(name, tmp_path):
     got_family, cfg, params = from_hf(tmp_path / "hf", dtype=torch.float64)
     assert got_family == family
     tokens = torch.randint(0, 100, (2, 24))
-    # float64 throughout, except that transformers' Mixtral router takes its softmax and top-k
+    # float64 throughout, except that transformers' MoE routers take their scores and top-k
     # weights in fp32 (``router_logits.float()``): each layer's k expert weights carry a
-    # relative rounding of up to 4 eps32 (the softmax, the top-k sum and the division), so the
-    # logits may move by layers x k x 4 eps32 x their size
-    atol = 1e-10 if family != "mixtral" else cfg.n_layers * cfg.moe.top_k * 1.2e-7 * 4
+    # relative rounding of up to 4 eps32 (the softmax or sigmoid, the top-k sum and the
+    # division), so the logits may move by layers x k x 4 eps32 x their size
+    atol = 1e-10 if family not in ROUTED_IN_FP32 else cfg.n_layers * cfg.moe.top_k * 1.2e-7 * 4
     with torch.no_grad():
         want = hf(tokens).logits
         torch.testing.assert_close(module.forward(params, tokens, cfg), want, rtol=0,
                                    atol=max(atol, atol * float(want.abs().max())))
     to_hf(family, cfg, params, tmp_path / "back")
-    loop = {"experts_implementation": "eager"} if family == "mixtral" else {}  # float64: see _hf_mixtral
+    loop = {"experts_implementation": "eager"} if family in ROUTED_IN_FP32 else {}  # float64: see _hf_mixtral
     assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == name
     back = type(hf).from_pretrained(tmp_path / "back", torch_dtype=torch.float64, **loop).eval()
     for name, tensor in hf.state_dict().items():
@@ -204,7 +228,7 @@ def test_conversion_errors(tmp_path):
         from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bart"}))
     with pytest.raises(ConfigError, match="model_type 'bart': fxmega converts gpt2, llama, mixtral, qwen2_moe, "
-                                          "qwen3_moe, bert and t5"):
+                                          "qwen3_moe, deepseek_v3, bert and t5"):
         from_hf(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert"}))
     with pytest.raises(CheckpointError, match="has no model.safetensors"):
@@ -213,3 +237,16 @@ def test_conversion_errors(tmp_path):
     with pytest.raises(CheckpointError, match="no model.safetensors .* never pickled .bin files"):
         from_hf(tmp_path)
     assert tree.leaves({}) == []
+
+
+def test_command_line_deepseek_v3_both_ways(tmp_path, capsys):
+    """``run.py convert --from-hf`` of a DeepseekV3ForCausalLM, then ``--to-hf`` from the
+    checkpoint alone: transformers loads back the same tensors, the selection bias included."""
+    hf = _random(_hf_deepseek_v3()).float()
+    hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--save", str(tmp_path / "imported")]) == 0
+    assert main(["convert", "--load", str(tmp_path / "imported"), "--to-hf", str(tmp_path / "out")]) == 0
+    back = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out", experts_implementation="eager")
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_interleave"] is True

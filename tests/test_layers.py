@@ -22,7 +22,7 @@ LAYERS = {
                        "ops.objectives ops.recompute ops.counter_random ops.init ops.routing ops.experts ops.aux_loss "
                        "ops.moe ops.tied_embedding_grad ops.phases",
     "models": "models models.family models.bert models.gpt models.llama models.mixtral models.t5 models.pieces "
-              "models.registry models.census models.checks models.classifier models.weight_uses",
+              "models.registry models.census models.checks models.classifier models.weight_uses models.deepseek_v3",
     "data": "data data.batches data.blend data.classification data.corpus data.gpt_dataset data.indexed data.mlm "
             "data.span_corruption data.parallel_text data.po_catalogues data.instructions data.code_corpus "
             "data.doc_questions "

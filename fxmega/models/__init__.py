@@ -10,13 +10,13 @@ from collections.abc import Callable
 import torch
 
 from fxmega.core.compute import ComputeConfig
-from fxmega.models import bert, gpt, llama, mixtral, registry, t5
+from fxmega.models import bert, deepseek_v3, gpt, llama, mixtral, registry, t5
 from fxmega.models.family import ModelFamily
 from fxmega.models.pieces import PieceCall, embed_inputs, head_inputs, run_pieces, top
 from fxmega.ops import losses, recompute
 from fxmega.ops.objectives import REFERENCE_OUTPUTS, Objective
 
-for _family in (gpt, llama, bert, mixtral, t5):
+for _family in (gpt, llama, bert, mixtral, t5, deepseek_v3):
     registry.register(_family.FAMILY)
 
 

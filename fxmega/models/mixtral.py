@@ -125,15 +125,18 @@ def check_mesh(cfg: Config, mesh: MeshSpec) -> None:
                           f"(dp, fsdp, ZeRO), tp and pp with experts")
 
 
+def feed_forward_specs(cfg: Config, index: int) -> dict:
+    """Block ``index``'s feed-forward parameters: ``{"moe": ...}`` where it has experts, else
+    Llama's ``{"mlp": ...}`` of width ``d_ff`` (DeepSeek-V3's blocks have the same)."""
+    if cfg.moe.is_moe_layer(index):
+        weight, residual = llama.inits(cfg)
+        return {"moe": moe.param_specs(cfg.moe, cfg.d_model, cfg.d_ff, weight, residual)}
+    return llama.mlp_specs(cfg, cfg.d_ff)
+
+
 def param_specs(cfg: Config) -> dict:
-    weight, residual = llama.inits(cfg)
-
-    def feed_forward(i: int) -> dict:
-        if cfg.moe.is_moe_layer(i):
-            return {"moe": moe.param_specs(cfg.moe, cfg.d_model, cfg.d_ff, weight, residual)}
-        return llama.mlp_specs(cfg, cfg.d_ff)
-
-    return llama.specs_with_blocks(cfg, [llama.block_specs(cfg, feed_forward(i)) for i in range(cfg.n_layers)])
+    return llama.specs_with_blocks(cfg, [llama.block_specs(cfg, feed_forward_specs(cfg, i))
+                                         for i in range(cfg.n_layers)])
 
 
 def feed_forward(p: dict, h: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None) -> torch.Tensor:

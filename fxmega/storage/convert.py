@@ -20,7 +20,7 @@ from fxmega.core import tree
 from fxmega.core.errors import CheckpointError, ConfigError
 from fxmega.core.json_files import check_fields
 from fxmega.data.tokenizer import portable
-from fxmega.models import gpt, llama, mixtral
+from fxmega.models import deepseek_v3, gpt, llama, mixtral
 from fxmega.models.family import ModelConfig
 from fxmega.ops.moe import MoE
 from fxmega.ops.rope import RopeScaling
@@ -76,7 +76,9 @@ _REQUIRED = {"gpt2": ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"
              "mixtral": (*_LLAMA_REQUIRED, "num_local_experts", "num_experts_per_tok"),
              "qwen3_moe": (*_LLAMA_REQUIRED, "moe_intermediate_size", "num_experts_per_tok"),
              "qwen2_moe": (*_LLAMA_REQUIRED, "moe_intermediate_size", "num_experts_per_tok",
-                           "shared_expert_intermediate_size")}
+                           "shared_expert_intermediate_size"),
+             "deepseek_v3": (*_LLAMA_REQUIRED, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                             "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok")}
 
 
 def config_from_hf(hf: dict[str, Any]) -> tuple[str, gpt.Config | llama.Config]:
@@ -102,8 +104,71 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[str, gpt.Config | llama.Config]:
         return "mixtral", mixtral.Config(**_llama_fields(hf), moe=moe)
     if kind in ("qwen3_moe", "qwen2_moe"):
         return "mixtral", _qwen_moe_config(hf, kind)
+    if kind == "deepseek_v3":
+        return "deepseek_v3", _deepseek_v3_config(hf)
     raise ConfigError(f"Hugging Face model_type {kind!r}: fxmega converts gpt2, llama, mixtral, qwen2_moe, qwen3_moe, "
-                      f"bert and t5")
+                      f"deepseek_v3, bert and t5")
+
+
+def _deepseek_v3_config(hf: dict[str, Any]) -> deepseek_v3.Config:
+    """DeepSeek-V3 as transformers configures it: MLA, sigmoid group-limited routing with the
+    selection bias, shared experts, the first ``first_k_dense_replace`` layers dense, YaRN
+    with DeepSeek's ``mscale`` (the tables' temperature) and ``mscale_all_dim`` (the softmax
+    scale's)."""
+    _require(hf.get("hidden_act", "silu") == "silu" and not hf.get("attention_bias"),
+             "this DeepSeek-V3 variant (activation or attention biases) differs from fxmega's")
+    h = hf["num_attention_heads"]
+    _require(hf.get("num_key_value_heads", h) == h, f"num_key_value_heads={hf.get('num_key_value_heads')}: MLA gives "
+                                                    f"every one of the {h} heads its own key and value")
+    _require(hf.get("scoring_func", "sigmoid") == "sigmoid" and hf.get("topk_method", "noaux_tc") == "noaux_tc",
+             f"routing {hf.get('scoring_func')}/{hf.get('topk_method')}: fxmega's DeepSeek-V3 routes by sigmoid "
+             f"scores with the selection bias (noaux_tc)")
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    mscale, mscale_all_dim = float(rope.pop("mscale", 0) or 0), float(rope.pop("mscale_all_dim", 0) or 0)
+    yarn = rope.get("rope_type", rope.get("type")) == "yarn"
+    if yarn and mscale and mscale_all_dim and "attention_factor" not in rope:
+        # transformers' YaRN temperature on the tables when both are given
+        rope["attention_factor"] = (deepseek_v3.yarn_mscale(rope["factor"], mscale)
+                                    / deepseek_v3.yarn_mscale(rope["factor"], mscale_all_dim))
+    theta, scaling = _rope_from_hf({**hf, "rope_parameters": rope, "rope_scaling": None})
+    _require(not mscale_all_dim or scaling.kind == "yarn",
+             f"mscale_all_dim={mscale_all_dim} with {scaling.kind} RoPE: DeepSeek-V3 scales its softmax by it under "
+             f"YaRN only")
+    moe = MoE(n_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"], d_expert=hf["moe_intermediate_size"],
+              n_shared_experts=hf.get("n_shared_experts") or 0, first_dense_layers=hf.get("first_k_dense_replace", 0),
+              score="sigmoid", norm_topk=bool(hf.get("norm_topk_prob", True)), n_groups=hf.get("n_group") or 1,
+              topk_groups=hf.get("topk_group") or 1, route_scale=float(hf.get("routed_scaling_factor", 1.0)),
+              expert_bias=True)
+    return deepseek_v3.Config(
+        vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 4096), d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"], n_heads=h, d_ff=hf["intermediate_size"],
+        q_lora_rank=hf.get("q_lora_rank") or 0,
+        kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], rope_theta=theta, rope_scaling=scaling,
+        mscale_all_dim=mscale_all_dim, norm_eps=hf.get("rms_norm_eps", 1e-6), moe=moe)
+
+
+def _deepseek_v3_to_hf(cfg: deepseek_v3.Config, torch_dtype: str) -> dict[str, Any]:
+    m = cfg.moe
+    _require(m.enabled and m.score == "sigmoid" and not m.shared_gate,
+             f"this deepseek_v3 model ({m}) has features DeepseekV3ForCausalLM lacks (no experts, softmax scores, a "
+             f"gate on the shared experts); it is not exported")
+    rope = _rope_to_hf(cfg)  # YaRN's temperature on the tables as attention_factor, which transformers reads first
+    if cfg.mscale_all_dim:
+        rope["mscale_all_dim"] = cfg.mscale_all_dim
+    return {"model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_seq_len, "hidden_size": cfg.d_model,
+            "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_heads,
+            "intermediate_size": cfg.d_ff, "moe_intermediate_size": m.expert_width(cfg.d_ff),
+            "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
+            "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+            "v_head_dim": cfg.v_head_dim, "head_dim": cfg.qk_rope_head_dim, "rope_interleave": True,
+            "rope_parameters": rope, "n_routed_experts": m.n_experts, "num_experts_per_tok": m.top_k,
+            "n_shared_experts": m.n_shared_experts, "first_k_dense_replace": m.first_dense_layers,
+            "norm_topk_prob": m.norm_topk, "n_group": m.n_groups, "topk_group": m.topk_groups,
+            "routed_scaling_factor": m.route_scale, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+            "tie_word_embeddings": False, "attention_bias": False, "num_nextn_predict_layers": 0,
+            "torch_dtype": torch_dtype}
 
 
 def _qwen_moe_config(hf: dict[str, Any], kind: str) -> mixtral.Config:
@@ -194,6 +259,8 @@ def _rope_to_hf(cfg: llama.Config) -> dict[str, Any]:
 
 def config_to_hf(family: str, cfg: gpt.Config | llama.Config, dtype: torch.dtype) -> dict[str, Any]:
     torch_dtype = str(dtype).removeprefix("torch.")
+    if family == "deepseek_v3":
+        return _deepseek_v3_to_hf(cfg, torch_dtype)
     if family == "gpt":
         return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": cfg.vocab_size,
                 "n_positions": cfg.max_seq_len, "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads,
@@ -255,7 +322,8 @@ _LAYOUTS = {"gpt2": (hf_layout.gpt2_from_hf, hf_layout.gpt2_to_hf),
             "llama": (hf_layout.llama_from_hf, hf_layout.llama_to_hf),
             "mixtral": (hf_layout.mixtral_from_hf, hf_layout.mixtral_to_hf),
             "qwen3_moe": (hf_layout.qwen_moe_from_hf, hf_layout.qwen_moe_to_hf),
-            "qwen2_moe": (hf_layout.qwen_moe_from_hf, hf_layout.qwen_moe_to_hf)}
+            "qwen2_moe": (hf_layout.qwen_moe_from_hf, hf_layout.qwen_moe_to_hf),
+            "deepseek_v3": (hf_layout.deepseek_v3_from_hf, hf_layout.deepseek_v3_to_hf)}
 
 
 def hf_kind(family: str, cfg: ModelConfig) -> str:
@@ -282,8 +350,10 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[str, 
         return "t5", cfg, hf_t5.t5_from_hf(sd, cfg)
     family, cfg = config_from_hf(hf)
     sd = {k: v.to(dtype) for k, v in _read_tensors(path).items()}
+    # DeepSeek's rotary dims come in interleaved pairs unless the config says otherwise
+    interleaved = {"interleaved": bool(hf.get("rope_interleave", True))} if family == "deepseek_v3" else {}
     try:
-        params = _LAYOUTS[hf["model_type"]][0](sd, cfg)
+        params = _LAYOUTS[hf["model_type"]][0](sd, cfg, **interleaved)
     except KeyError as e:
         raise CheckpointError(f"{path}: tensor {e} is missing for a {family} model with {cfg.n_layers} "
                               f"layers") from None
@@ -300,9 +370,9 @@ def to_hf(family: str, cfg: ModelConfig, params: dict, path: str | Path, eos_id:
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     params = tree.map_leaves(lambda t: t.detach().cpu(), params)
-    _require(family in ("gpt", "llama", "mixtral", "t5"), f"model family {family!r}: fxmega exports gpt, llama, "
-                                                           f"mixtral and t5 (and bert's checkpoints are read, not "
-                                                           f"written)")
+    _require(family in ("gpt", "llama", "mixtral", "deepseek_v3", "t5"),
+             f"model family {family!r}: fxmega exports gpt, llama, mixtral, deepseek_v3 and t5 (and bert's checkpoints "
+             f"are read, not written)")
     if family == "t5":
         sd = hf_t5.t5_to_hf(params, cfg)
         # one copy of the shared embedding (safetensors refuses aliases): transformers ties the rest on load

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from fxmega.models import gpt, llama, mixtral
+from fxmega.models import deepseek_v3, gpt, llama, mixtral
 
 
 def gpt2_from_hf(sd: dict[str, torch.Tensor], cfg: gpt.Config) -> dict:
@@ -239,4 +239,104 @@ def qwen_moe_to_hf(params: dict, cfg: mixtral.Config) -> dict[str, torch.Tensor]
         if "shared" in b["moe"]:
             sd |= _dense_mlp_to_hf(b["moe"]["shared"], f"{p}.mlp.shared_expert", "")
             sd[f"{p}.mlp.shared_expert_gate.weight"] = b["moe"]["shared_gate"].t()
+    return {k: v.contiguous() for k, v in sd.items()}
+
+
+def rope_pairs_to_halves(n: int) -> torch.Tensor:
+    """The order that takes ``n`` rotary dims laid out in interleaved pairs ``(x0, x1), (x2,
+    x3), ...`` (DeepSeek's checkpoints, transformers' ``rope_interleave``) to rotate-half's
+    first halves then second halves (fxmega's): even dims, then odd ones. A query's and its
+    key's rotary dims permuted alike leave every score unchanged."""
+    return torch.cat([torch.arange(0, n, 2), torch.arange(1, n, 2)])
+
+
+def _reorder_rope(w: torch.Tensor, rope: int, order: torch.Tensor) -> torch.Tensor:
+    """``w`` with its last dim's final ``rope`` entries (the rotary ones) taken in ``order``."""
+    return torch.cat([w[..., :-rope], w[..., -rope:][..., order]], dim=-1)
+
+
+def _mla_from_hf(sd: dict[str, torch.Tensor], p: str, cfg: deepseek_v3.Config, interleaved: bool) -> dict:
+    """MLA's parameters from ``{p}.self_attn.*`` (``nn.Linear`` weights, ``[out, in]``)."""
+    h, rope = cfg.n_heads, cfg.qk_rope_head_dim
+    order = rope_pairs_to_halves(rope) if interleaved else torch.arange(rope)
+    a = f"{p}.self_attn"
+
+    def heads(name: str, width: int) -> torch.Tensor:  # [in, heads, width], the rotary dims in fxmega's order
+        w = sd[f"{a}.{name}.weight"].t()
+        return w.reshape(w.shape[0], h, width)
+
+    if cfg.q_lora_rank:
+        queries = {"wq_a": sd[f"{a}.q_a_proj.weight"].t(), "q_norm": {"scale": sd[f"{a}.q_a_layernorm.weight"]},
+                   "wq_b": _reorder_rope(heads("q_b_proj", cfg.qk_head_dim), rope, order)}
+    else:
+        queries = {"wq": _reorder_rope(heads("q_proj", cfg.qk_head_dim), rope, order)}
+    return {**queries,
+            "wkv_a": _reorder_rope(sd[f"{a}.kv_a_proj_with_mqa.weight"].t(), rope, order),
+            "kv_norm": {"scale": sd[f"{a}.kv_a_layernorm.weight"]},
+            "wkv_b": heads("kv_b_proj", cfg.qk_nope_head_dim + cfg.v_head_dim),
+            "wo": sd[f"{a}.o_proj.weight"].t().reshape(h, cfg.v_head_dim, cfg.d_model)}
+
+
+def _mla_to_hf(a: dict, p: str, cfg: deepseek_v3.Config) -> dict[str, torch.Tensor]:
+    """The inverse of ``_mla_from_hf``, written interleaved (as DeepSeek's checkpoints are)."""
+    rope = cfg.qk_rope_head_dim
+    back = torch.argsort(rope_pairs_to_halves(rope))
+    s = f"{p}.self_attn"
+
+    def flat(w: torch.Tensor) -> torch.Tensor:
+        return w.reshape(w.shape[0], -1).t()
+
+    if "wq_a" in a:
+        out = {f"{s}.q_a_proj.weight": a["wq_a"].t(), f"{s}.q_a_layernorm.weight": a["q_norm"]["scale"],
+               f"{s}.q_b_proj.weight": flat(_reorder_rope(a["wq_b"], rope, back))}
+    else:
+        out = {f"{s}.q_proj.weight": flat(_reorder_rope(a["wq"], rope, back))}
+    return out | {f"{s}.kv_a_proj_with_mqa.weight": _reorder_rope(a["wkv_a"], rope, back).t(),
+                  f"{s}.kv_a_layernorm.weight": a["kv_norm"]["scale"],
+                  f"{s}.kv_b_proj.weight": flat(a["wkv_b"]),
+                  f"{s}.o_proj.weight": a["wo"].reshape(-1, cfg.d_model).t()}
+
+
+def deepseek_v3_from_hf(sd: dict[str, torch.Tensor], cfg: deepseek_v3.Config, interleaved: bool = True) -> dict:
+    """fxmega DeepSeek-V3 params from a ``DeepseekV3ForCausalLM`` checkpoint as the Hub and
+    ``save_pretrained`` store it: MLA's projections (the rotary dims ``interleaved`` unless
+    the config says ``rope_interleave: false``), the first ``first_k_dense_replace`` blocks'
+    dense ``mlp``, then per expert ``gate_proj``, ``up_proj``, ``down_proj`` under
+    ``mlp.experts``, the router ``mlp.gate`` with its ``e_score_correction_bias`` (the
+    auxiliary-loss-free selection bias) and the shared experts as one MLP. The multi-token
+    prediction layers (``num_nextn_predict_layers``) are not read, as transformers does not."""
+    blocks = []
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}"
+        block = {"attn_norm": {"scale": sd[f"{p}.input_layernorm.weight"]},
+                 "attn": _mla_from_hf(sd, p, cfg, interleaved),
+                 "mlp_norm": {"scale": sd[f"{p}.post_attention_layernorm.weight"]}}
+        if not cfg.moe.is_moe_layer(i):
+            blocks.append(block | _dense_mlp_from_hf(sd, p))
+            continue
+        block |= _moe_from_hf(sd, f"{p}.mlp.experts", f"{p}.mlp.gate.weight", QWEN_EXPERT, cfg.moe.n_experts)
+        block["moe"]["expert_bias"] = sd[f"{p}.mlp.gate.e_score_correction_bias"]
+        if cfg.moe.n_shared_experts:
+            block["moe"]["shared"] = _dense_mlp_from_hf(sd, f"{p}.mlp.shared_experts", "")["mlp"]
+        blocks.append(block)
+    return _llama_outer_from_hf(sd, blocks)
+
+
+def deepseek_v3_to_hf(params: dict, cfg: deepseek_v3.Config) -> dict[str, torch.Tensor]:
+    """A ``DeepseekV3ForCausalLM`` checkpoint (the Hub's per-expert layout, rotary dims
+    interleaved) from fxmega params: the inverse of ``deepseek_v3_from_hf``."""
+    sd = _llama_outer_to_hf(params)
+    for i, b in enumerate(params["blocks"]):
+        p = f"model.layers.{i}"
+        sd |= {f"{p}.input_layernorm.weight": b["attn_norm"]["scale"],
+               f"{p}.post_attention_layernorm.weight": b["mlp_norm"]["scale"]} | _mla_to_hf(b["attn"], p, cfg)
+        if "mlp" in b:
+            sd |= _dense_mlp_to_hf(b["mlp"], p)
+            continue
+        m = b["moe"]
+        sd |= _moe_to_hf(m, f"{p}.mlp.experts", f"{p}.mlp.gate.weight", QWEN_EXPERT)
+        sd[f"{p}.mlp.gate.e_score_correction_bias"] = m["expert_bias"] if "expert_bias" in m else \
+            torch.zeros(cfg.moe.n_experts, dtype=m["router"].dtype)
+        if "shared" in m:
+            sd |= _dense_mlp_to_hf(m["shared"], f"{p}.mlp.shared_experts", "")
     return {k: v.contiguous() for k, v in sd.items()}

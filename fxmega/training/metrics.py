@@ -22,7 +22,7 @@ from fxmega.core.spec import ParamSpec
 from fxmega.models import model_for
 
 
-def flops_per_token(specs: tree.Tree, n_layers: int, attention_width: int, seq_len: int,
+def flops_per_token(specs: tree.Tree, n_layers: int, attention_width: float, seq_len: int,
                     expert_fraction: float = 1.0) -> int:
     """``6 N + 12 L H Q T`` (Megatron-LM / PaLM): ``N`` the parameters a token passes through
     (no position table; of experts stacked along ``expert``, the ``expert_fraction`` a token
@@ -31,7 +31,7 @@ def flops_per_token(specs: tree.Tree, n_layers: int, attention_width: int, seq_l
     for s in tree.leaves(specs):
         if isinstance(s, ParamSpec) and s.axes[0] != "position":
             n += s.numel * (expert_fraction if s.axes[0] == "expert" else 1.0)
-    return round(6 * n) + 12 * n_layers * attention_width * seq_len
+    return round(6 * n + 12 * n_layers * attention_width * seq_len)
 
 
 def model_flops_per_token(specs: tree.Tree, model_cfg: object, seq_len: int) -> int:

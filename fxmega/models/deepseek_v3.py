@@ -1,0 +1,235 @@
+"""DeepSeek-V3 (DeepSeek-AI 2024), as published: multi-head latent attention (MLA), DeepSeekMoE
+feed-forward layers after the first dense ones, RMSNorm, an untied head.
+
+**MLA.** Queries go through a low-rank bottleneck (``wq_a`` to ``q_lora_rank``, RMSNorm,
+``wq_b`` up to the heads); keys and values through a joint one (``wkv_a`` to
+``kv_lora_rank``, RMSNorm, ``wkv_b`` up to each head's ``qk_nope_head_dim`` key part and
+``v_head_dim`` value), beside one rotary key of ``qk_rope_head_dim`` that ``wkv_a`` also
+makes and every head shares. A head's query and key are its no-position part and its
+rotated part side by side, so a score is ``q_nope . k_nope + q_rope . k_rope``; the softmax
+scale is ``1 / sqrt(qk_nope + qk_rope)`` times YaRN's ``mscale(factor, mscale_all_dim)^2``.
+Rotary dims use the rotate-half layout (``fxmega.ops.rope``); DeepSeek's checkpoints pair
+them interleaved, which the Hugging Face conversion permutes (``fxmega.storage.hf_deepseek``).
+
+Sharding, by the logical axes: the up-projections (``wq_b``, ``wkv_b``) and the output
+projection split by ``heads`` as any attention does, so tp gives each rank whole heads. The
+down-projections (``wq_a``, ``wkv_a``) and their norms name ``q_lora`` / ``kv_lora``, which no
+rule splits: they are replicated, each tp rank computing the small latents (1536 + 576 wide
+for 7168) for its heads rather than sending them, Megatron-Core's choice too.
+
+**DeepSeekMoE** is ``fxmega.ops.moe`` with DeepSeek-V3's settings (sigmoid scores, group-
+limited top-k, the selection bias updated from the load outside the gradient, shared
+experts, ``route_scale``), the first ``moe.first_dense_layers`` blocks a dense SwiGLU of
+``d_ff`` (``fxmega.models.mixtral.feed_forward``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fxmega.core import tree
+from fxmega.core.errors import ConfigError
+from fxmega.core.spec import ONES, ParamSpec
+from fxmega.models import llama, mixtral
+from fxmega.models.checks import require_positive
+from fxmega.models.family import ModelFamily
+from fxmega.models.llama import (  # noqa: F401  (the family's pieces, shared with Llama)
+    EMBED_INPUTS,
+    EMBED_PARAMS,
+    HEAD_PARAMS,
+    POOL_PARAMS,
+    embed,
+    final_hidden,
+    head,
+    objective,
+    output_weight,
+    pool,
+)
+from fxmega.ops import layers
+from fxmega.ops.moe import MoE
+from fxmega.ops.rope import Rope, RopeScaling, apply_rope
+from fxmega.sharding.layout import shard
+from fxmega.sharding.mesh import MeshSpec
+
+
+def yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature for a context stretched ``factor`` times (1 unstretched)."""
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """DeepSeek-V3 671B's shape by default (``configs/`` holds smaller ones)."""
+
+    vocab_size: int = 129280
+    max_seq_len: int = 4096
+    d_model: int = 7168
+    n_layers: int = 61
+    n_heads: int = 128
+    d_ff: int = 18432  # the dense blocks' SwiGLU width (the first moe.first_dense_layers)
+    q_lora_rank: int = 1536  # 0: queries projected straight from the residual stream (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    mscale_all_dim: float = 0.0  # YaRN's mscale on the softmax scale, squared (DeepSeek-V3: 1.0); 0: none
+    norm_eps: float = 1e-6
+    init_std: float = 0.006
+    moe: MoE = field(default_factory=lambda: MoE(
+        n_experts=256, top_k=8, d_expert=2048, n_shared_experts=1, first_dense_layers=3, score="sigmoid",
+        n_groups=8, topk_groups=4, route_scale=2.5, expert_bias=True))
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def head_dim(self) -> float:
+        """A head's width as the attention FLOPs see it (``training.metrics``: ``12 L H Q T``
+        counts scores and weighted sums over one width): scores run over ``qk_head_dim``,
+        sums over ``v_head_dim``, so the mean of the two."""
+        return (self.qk_head_dim + self.v_head_dim) / 2
+
+    @property
+    def rope(self) -> Rope:
+        return Rope(self.rope_theta, self.rope_scaling)
+
+    @property
+    def softmax_scale(self) -> float:
+        """``1 / sqrt(qk_head_dim)``, times YaRN's ``mscale_all_dim`` temperature squared."""
+        s = self.rope_scaling
+        mscale = yarn_mscale(s.factor, self.mscale_all_dim) if s.kind == "yarn" and self.mscale_all_dim else 1.0
+        return self.qk_head_dim ** -0.5 * mscale * mscale
+
+    def validate(self, prefix: str = "model") -> None:
+        require_positive(self, ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "d_ff", "kv_lora_rank",
+                                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), prefix)
+        self.rope_scaling.validate(f"{prefix}.rope_scaling")
+        self.moe.validate(f"{prefix}.moe")
+        if self.q_lora_rank < 0:
+            raise ConfigError(f"{prefix}.q_lora_rank={self.q_lora_rank} must be positive, or 0 for no query "
+                              f"compression")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(f"{prefix}.qk_rope_head_dim={self.qk_rope_head_dim} is odd: rotary embeddings rotate "
+                              f"pairs of dims")
+        if self.mscale_all_dim < 0:
+            raise ConfigError(f"{prefix}.mscale_all_dim={self.mscale_all_dim} must not be negative")
+        if self.moe.enabled and self.moe.first_dense_layers >= self.n_layers:
+            raise ConfigError(f"{prefix}.moe.first_dense_layers={self.moe.first_dense_layers} leaves none of the "
+                              f"{self.n_layers} layers with experts: give n_experts=0 for a dense model")
+
+
+def attention_specs(cfg: Config) -> dict:
+    """MLA's parameters (see the module docstring for what each one is and how it is split)."""
+    d, h, nope, rope, v = cfg.d_model, cfg.n_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    weight, residual = llama.inits(cfg)
+    if cfg.q_lora_rank:
+        queries = {"wq_a": ParamSpec((d, cfg.q_lora_rank), ("embed", "q_lora"), weight),
+                   "q_norm": {"scale": ParamSpec((cfg.q_lora_rank,), ("q_lora",), ONES)},
+                   "wq_b": ParamSpec((cfg.q_lora_rank, h, nope + rope), ("q_lora", "heads", "head_dim"), weight)}
+    else:
+        queries = {"wq": ParamSpec((d, h, nope + rope), ("embed", "heads", "head_dim"), weight)}
+    return {
+        **queries,
+        "wkv_a": ParamSpec((d, cfg.kv_lora_rank + rope), ("embed", "kv_lora"), weight),
+        "kv_norm": {"scale": ParamSpec((cfg.kv_lora_rank,), ("kv_lora",), ONES)},
+        "wkv_b": ParamSpec((cfg.kv_lora_rank, h, nope + v), ("kv_lora", "heads", "head_dim"), weight),
+        "wo": ParamSpec((h, v, d), ("heads", "head_dim", "embed"), residual),
+    }
+
+
+def param_specs(cfg: Config) -> dict:
+    def block(i: int) -> dict:
+        d = cfg.d_model
+        return {"attn_norm": {"scale": ParamSpec((d,), ("embed",), ONES)}, "attn": attention_specs(cfg),
+                "mlp_norm": {"scale": ParamSpec((d,), ("embed",), ONES)}, **mixtral.feed_forward_specs(cfg, i)}
+
+    return llama.specs_with_blocks(cfg, [block(i) for i in range(cfg.n_layers)])
+
+
+def attend_inputs(cfg: Config, seq_len: int, device: torch.device, valid: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None) -> layers.Attend:
+    """The rotary tables of the ``qk_rope_head_dim`` rotated dims, and the mask padding needs."""
+    return layers.attend_inputs(seq_len, device, cfg.rope, cfg.qk_rope_head_dim, valid, positions)
+
+
+def attention(p: dict, x: torch.Tensor, cfg: Config, attend: layers.Attend) -> torch.Tensor:
+    """Multi-head latent attention over ``x [batch, seq, embed]`` (causal, rotary tables in
+    ``attend``)."""
+    nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    if "wq_a" in p:
+        latent_q = layers.rms_norm(layers.linear(x, p["wq_a"]), p["q_norm"]["scale"], cfg.norm_eps)
+        q = layers.project_to_heads(latent_q, p["wq_b"])
+    else:
+        q = layers.project_to_heads(x, p["wq"])
+    latent_kv, k_rope = layers.linear(x, p["wkv_a"]).split([cfg.kv_lora_rank, rope], dim=-1)
+    kv = layers.project_to_heads(layers.rms_norm(latent_kv, p["kv_norm"]["scale"], cfg.norm_eps), p["wkv_b"])
+    k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
+    q_nope, q_rope = q.split([nope, rope], dim=-1)
+    cos, sin = attend.rotary.unbind(0)
+    q_rope = apply_rope(q_rope, cos, sin)
+    k_rope = apply_rope(k_rope.unsqueeze(-2), cos, sin).expand(*k_nope.shape[:-1], rope)  # one key for every head
+    # SDPA scales by 1 / sqrt(qk_head_dim); the rest of the scale (YaRN's temperature) on the queries
+    extra = cfg.softmax_scale * math.sqrt(cfg.qk_head_dim)
+    q = torch.cat([q_nope, q_rope], dim=-1)
+    q = q if extra == 1.0 else q * extra
+    out = layers.causal_attention(q, torch.cat([k_nope, k_rope], dim=-1), v, attend._replace(rotary=None))
+    return layers.project_from_heads(out, p["wo"])
+
+
+def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,
+          attend: layers.Attend | None = None) -> torch.Tensor:
+    """One pre-norm block: MLA, then experts or the dense MLP (``mixtral.feed_forward``)."""
+    if attend is None:
+        attend = attend_inputs(cfg, x.shape[1], x.device, valid)
+    h = shard(layers.rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps), "batch", "ctx", "embed")
+    x = x + shard(attention(p["attn"], h, cfg, attend), "batch", "seq", "embed")
+    h = shard(layers.rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "batch", "ctx", "embed")
+    return x + shard(mixtral.feed_forward(p, h, cfg, valid), "batch", "seq", "embed")
+
+
+def forward(params: dict, tokens: torch.Tensor, cfg: Config,
+            attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits ``[batch, seq, vocab]`` for ``tokens [batch, seq]``."""
+    x = embed(params, tokens, cfg)
+    attend = attend_inputs(cfg, tokens.shape[1], tokens.device, attention_mask)
+    for p in params["blocks"]:
+        x = block(p, x, cfg, attention_mask, attend)
+    return head(params, x, cfg)
+
+
+# the meshes each piece has been shown equal to one device on; the others are refused until then
+SHOWN_AXES = ("dp", "fsdp")
+
+
+def check_mesh(cfg: Config, mesh: MeshSpec) -> None:
+    """Meshes DeepSeek-V3 has not been run on yet, refused before anything is built."""
+    for axis in ("tp", "pp", "cp", "ep"):
+        if mesh.size(axis) > 1:
+            raise ConfigError(f"--mesh {mesh.describe()}: the deepseek_v3 family has been shown equal to one device "
+                              f"on the data axes only ({', '.join(SHOWN_AXES)}, ZeRO); {axis} is not built for it "
+                              f"yet")
+
+
+def active_params(cfg: Config) -> int:
+    """Parameters one token passes through: all but the routed experts it was not sent to."""
+    total = sum(s.numel for s in tree.leaves(param_specs(cfg)))
+    if not cfg.moe.enabled:
+        return total
+    idle = cfg.moe.n_experts - cfg.moe.top_k
+    moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
+    return total - moe_layers * idle * 3 * cfg.d_model * cfg.moe.expert_width(cfg.d_ff)
+
+
+FAMILY = ModelFamily(
+    name="deepseek_v3", Config=Config, param_specs=param_specs, embed=embed, block=block, head=head,
+    objective=objective, EMBED_PARAMS=EMBED_PARAMS, HEAD_PARAMS=HEAD_PARAMS, EMBED_INPUTS=EMBED_INPUTS,
+    attend_inputs=attend_inputs, final_hidden=final_hidden, output_weight=output_weight, POOL_PARAMS=POOL_PARAMS,
+    pool=pool, active_params=active_params, check_mesh=check_mesh, ROUTER_METER=True,
+    experts=lambda cfg: cfg.moe if cfg.moe.enabled else None,
+)
