@@ -1,17 +1,23 @@
 """DeepSeek-V3 (fxmega/models/deepseek_v3.py) in training: the tiny model trains, its
 auxiliary-loss-free selection bias moves with the load, and the data-parallel meshes it
-runs on equal one device in losses, gradient norms, gradients and router statistics. Its
-float64 logits against transformers' DeepseekV3 both ways: tests/test_convert.py."""
+runs on equal one device in losses, gradient norms, gradients and router statistics; the
+671B config's sizes and its latent cache. Its float64 logits against transformers'
+DeepseekV3 both ways: tests/test_convert.py; generation over the latent cache equal to the
+uncached forward: tests/test_generate.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from fxmega.config import load
 from fxmega.core.errors import ConfigError
-from fxmega.models import model_for
+from fxmega.models import deepseek_v3, llama, model_for
+from fxmega.models.pieces import init_cache
+from fxmega.planning.summary import summary
 from fxmega.training.checks import preflight
 from fxmega.training.run import Run
+from tests.conftest import ROOT
 from tests.multirank import run_ranks
 from tests.parity import assert_matches_one_device, record
 from tests.sharding_workers import tiny_config, train
@@ -62,3 +68,29 @@ def test_meshes_not_built_for_it_yet_are_refused(mesh):
     cfg = tiny_config({"mesh": mesh}, model="tiny_deepseek_v3")
     with pytest.raises(ConfigError, match="deepseek_v3 family has been shown equal to one device on the data axes"):
         preflight(cfg, model_for(cfg.model), torch.device("cpu"))
+
+
+def test_the_671b_config_has_the_published_sizes_and_its_latent_cache():
+    """DeepSeek-V3's report: 671B parameters, 37B activated per token. Its cache holds the
+    512-wide latent and the 64-wide rotary key per block: 70,272 bytes a token in bf16, where
+    the same 128 heads with grouped keys and values in 8 groups (192 + 128 wide) would hold
+    4.4x as much, and with full heads 71x."""
+    cfg = load(ROOT / "configs" / "deepseek_v3_671b.py").model
+    text = summary(cfg, 4096)
+    assert "parameters: 671,026,419,200" in text and "active per token: 37,552,297,472" in text
+    assert "KV cache per token: 70,272 bytes in bf16 (61 blocks x 512 + 64 values)" in text
+    gqa = cfg.n_layers * 8 * (cfg.qk_head_dim + cfg.v_head_dim) * 2
+    assert round(gqa / 70_272, 1) == 4.4 and round(gqa * 16 / 70_272) == 71
+
+
+def test_the_latent_cache_holds_latents_not_heads():
+    """The tensors decoding allocates, measured: a latent and a rotary key per token and block,
+    against a Llama of the same width, depth and heads with 2 key-value groups."""
+    cfg = load(ROOT / "configs" / "tiny_deepseek_v3.py").model
+    cache = init_cache(deepseek_v3.FAMILY, cfg, range(cfg.n_layers), batch=1, max_len=10)
+    measured = sum(t.numel() * t.element_size() for kv in cache.values() for t in kv) / 10
+    assert measured == cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4  # fp32 here
+    llama_cfg = llama.Config(vocab_size=cfg.vocab_size, d_model=cfg.d_model, n_layers=cfg.n_layers,
+                             n_heads=cfg.n_heads, n_kv_heads=2, d_ff=cfg.d_ff)
+    gqa = init_cache(llama.FAMILY, llama_cfg, range(cfg.n_layers), batch=1, max_len=10)
+    assert measured < sum(t.numel() * t.element_size() for kv in gqa.values() for t in kv) / 10

@@ -1,5 +1,6 @@
 """Generation with a KV cache: token for token and logit for logit what recomputing the whole
-sequence gives, for GPT and Llama (grouped, multi-query and plain multi-head attention),
+sequence gives, for GPT, Llama (grouped, multi-query and plain multi-head attention) and
+DeepSeek-V3 (latent attention over its latent cache),
 batched prompts of different lengths as each alone, and the sampling settings."""
 
 import dataclasses
@@ -11,7 +12,7 @@ import torch
 from fxmega.config import load
 from fxmega.data.tokenizer import ByteTokenizer
 from fxmega.inference.generate import LocalDecoder, decode, generate_cached, sample_next, sample_text
-from fxmega.models import gpt, llama
+from fxmega.models import deepseek_v3, gpt, llama
 from fxmega.ops.init import init_params
 from tests.conftest import ROOT
 from tests.tolerance import assert_within_rounding, forward_lengths
@@ -23,6 +24,8 @@ VARIANTS = {
     "llama_gqa": (llama, "tiny_llama.py", {"n_kv_heads": 2}),  # 4 query heads share 2 kv heads
     "llama_mqa": (llama, "tiny_llama.py", {"n_kv_heads": 1}),
     "llama_mha": (llama, "tiny_llama.py", {"n_kv_heads": 0}),
+    # multi-head latent attention over its latent cache (queries absorbed into the latent space)
+    "deepseek_v3": (deepseek_v3, "tiny_deepseek_v3.py", {}),
 }
 PROMPTS = [[5, 17, 99, 3, 42, 42, 7, 200, 11], [65], [1, 2, 3, 4]]
 

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fxmega.core import tree
 from fxmega.inference.generate import Cache, LocalDecoder, decode
 from fxmega.models.family import ModelConfig, ModelFamily
-from fxmega.models.pieces import blocks_of, decode_pieces
+from fxmega.models.pieces import blocks_of, cache_shapes, decode_pieces
 from fxmega.parallel.activation_layouts import ActivationLayouts
 from fxmega.parallel.runtime import Parallel
 from fxmega.sharding import layout
@@ -121,19 +121,20 @@ class MeshDecoder:
 
     def init_cache(self, batch: int, max_len: int) -> Cache:
         """Empty caches of this rank's blocks; under tp each holds only this rank's heads."""
-        shape = list(self.model.kv_cache_shape(self.cfg, batch, max_len))
         tp = self.parallel.groups.tp
-        if shape[CACHE_HEADS_DIM] % tp:  # the plan refuses such a model before this
-            raise ValueError(f"{shape[CACHE_HEADS_DIM]} cached heads do not split over tp={tp}")
-        shape[CACHE_HEADS_DIM] //= tp
 
-        def part() -> torch.Tensor:
+        def part(full: tuple[int, ...]) -> torch.Tensor:
+            shape = list(full)
+            if shape[CACHE_HEADS_DIM] % tp:  # the plan refuses such a model before this
+                raise ValueError(f"{shape[CACHE_HEADS_DIM]} cached heads do not split over tp={tp}")
+            shape[CACHE_HEADS_DIM] //= tp
             local = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if self.tp_mesh is None:
                 return local
             return DTensor.from_local(local, self.tp_mesh, [Shard(CACHE_HEADS_DIM)], run_check=False)
 
-        return {i: (part(), part()) for s in self.stages if s.rank == self.me for i in s.blocks}
+        shapes = cache_shapes(self.model, self.cfg, batch, max_len)
+        return {i: tuple(part(shape) for shape in shapes) for s in self.stages if s.rank == self.me for i in s.blocks}
 
     def _replicated(self, x: torch.Tensor) -> torch.Tensor:
         # what every tp rank holds whole (the tokens, a received residual) as the DTensor it is

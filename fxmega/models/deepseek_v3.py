@@ -183,14 +183,78 @@ def attention(p: dict, x: torch.Tensor, cfg: Config, attend: layers.Attend) -> t
 
 
 def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = None,
-          attend: layers.Attend | None = None) -> torch.Tensor:
-    """One pre-norm block: MLA, then experts or the dense MLP (``mixtral.feed_forward``)."""
-    if attend is None:
-        attend = attend_inputs(cfg, x.shape[1], x.device, valid)
+          attend: layers.Attend | None = None, cache: layers.KV | None = None,
+          write: layers.CacheWrite | None = None) -> torch.Tensor | tuple[torch.Tensor, layers.KV]:
+    """One pre-norm block: MLA, then experts or the dense MLP (``mixtral.feed_forward``). With
+    ``cache`` and ``write`` it decodes over the latent cache (``cached_attention``) and returns
+    ``(x, updated cache)``."""
     h = shard(layers.rms_norm(x, p["attn_norm"]["scale"], cfg.norm_eps), "batch", "ctx", "embed")
-    x = x + shard(attention(p["attn"], h, cfg, attend), "batch", "seq", "embed")
+    if cache is not None:
+        a, cache = cached_attention(p["attn"], h, cfg, cache, write)
+    else:
+        a = attention(p["attn"], h, cfg, attend if attend is not None else attend_inputs(cfg, x.shape[1], x.device,
+                                                                                           valid))
+    x = x + shard(a, "batch", "seq", "embed")
     h = shard(layers.rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "batch", "ctx", "embed")
-    return x + shard(mixtral.feed_forward(p, h, cfg, valid), "batch", "seq", "embed")
+    x = x + shard(mixtral.feed_forward(p, h, cfg, valid), "batch", "seq", "embed")
+    return x if cache is None else (x, cache)
+
+
+# ---- decoding over the latent cache ------------------------------------------------------------
+# Each block caches what MLA compresses a token to: its normalised key-value latent
+# (kv_lora_rank) and its rotated shared key (qk_rope_head_dim), not every head's key and value.
+# The new tokens' queries are taken into the latent space instead (DeepSeek-V2's absorption):
+# q_nope . (c W_uk) = (q_nope W_uk^T) . c, and the weighted sum of values is the weighted sum of
+# latents through W_uv; so attention runs as one key-value head of width kv_lora_rank +
+# qk_rope_head_dim, and the cache is never expanded to heads.
+
+def kv_cache_shape(cfg: Config, batch: int, max_len: int) -> tuple[int, ...]:
+    """Each block's cached latents ``[batch, max_len, 1, kv_lora_rank]``."""
+    return (batch, max_len, 1, cfg.kv_lora_rank)
+
+
+def rope_cache_shape(cfg: Config, batch: int, max_len: int) -> tuple[int, ...]:
+    """Each block's cached rotary keys ``[batch, max_len, 1, qk_rope_head_dim]``."""
+    return (batch, max_len, 1, cfg.qk_rope_head_dim)
+
+
+def cache_bytes_per_token(cfg: Config, dtype_bytes: int = 2) -> int:
+    """What decoding caches per token over all blocks: ``kv_lora_rank + qk_rope_head_dim``
+    values a block."""
+    return cfg.n_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes
+
+
+def decode_write(cfg: Config, start: int, new: int, max_len: int, pad: torch.Tensor) -> layers.CacheWrite:
+    """Where ``new`` tokens go in the cache, with the rotary tables of the rotated dims."""
+    return layers.cache_write(start, new, max_len, pad, cfg.qk_rope_head_dim, cfg.rope)
+
+
+def cached_attention(p: dict, x: torch.Tensor, cfg: Config, cache: layers.KV,
+                     write: layers.CacheWrite) -> tuple[torch.Tensor, layers.KV]:
+    """MLA of new tokens ``x [batch, new, embed]`` over the latent cache: their latents and
+    rotary keys written at ``write.start``, their queries absorbed into the latent space."""
+    nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    if "wq_a" in p:
+        latent_q = layers.rms_norm(layers.linear(x, p["wq_a"]), p["q_norm"]["scale"], cfg.norm_eps)
+        q = layers.project_to_heads(latent_q, p["wq_b"])
+    else:
+        q = layers.project_to_heads(x, p["wq"])
+    latent_kv, k_rope = layers.linear(x, p["wkv_a"]).split([cfg.kv_lora_rank, rope], dim=-1)
+    latent_kv = layers.rms_norm(latent_kv, p["kv_norm"]["scale"], cfg.norm_eps)
+    q_nope, q_rope = q.split([nope, rope], dim=-1)
+    q_rope = apply_rope(q_rope, write.cos, write.sin)
+    k_rope = apply_rope(k_rope.unsqueeze(-2), write.cos, write.sin)
+    cache_c, cache_r = cache
+    end = write.start + x.shape[1]
+    cache_c = torch.slice_scatter(cache_c, latent_kv.unsqueeze(-2).to(cache_c.dtype), dim=1, start=write.start, end=end)
+    cache_r = torch.slice_scatter(cache_r, k_rope.to(cache_r.dtype), dim=1, start=write.start, end=end)
+    w_uk, w_uv = p["wkv_b"].split([nope, cfg.v_head_dim], dim=-1)  # [kv_lora, heads, nope], [kv_lora, heads, v]
+    q_latent = torch.einsum("bshn,chn->bshc", q_nope, w_uk.to(q_nope.dtype))
+    keys = torch.cat([cache_c, cache_r], dim=-1).to(q.dtype)  # one key-value head for every query head
+    out = layers.sdpa(torch.cat([q_latent, q_rope], dim=-1), keys, cache_c.to(q.dtype), attn_mask=write.mask,
+                      scale=cfg.softmax_scale, enable_gqa=True)
+    out = torch.einsum("bshc,chv->bshv", out, w_uv.to(out.dtype))
+    return layers.project_from_heads(out, p["wo"]), (cache_c, cache_r)
 
 
 def forward(params: dict, tokens: torch.Tensor, cfg: Config,
@@ -230,6 +294,7 @@ FAMILY = ModelFamily(
     name="deepseek_v3", Config=Config, param_specs=param_specs, embed=embed, block=block, head=head,
     objective=objective, EMBED_PARAMS=EMBED_PARAMS, HEAD_PARAMS=HEAD_PARAMS, EMBED_INPUTS=EMBED_INPUTS,
     attend_inputs=attend_inputs, final_hidden=final_hidden, output_weight=output_weight, POOL_PARAMS=POOL_PARAMS,
-    pool=pool, active_params=active_params, check_mesh=check_mesh, ROUTER_METER=True,
+    pool=pool, active_params=active_params, check_mesh=check_mesh, ROUTER_METER=True, kv_cache_shape=kv_cache_shape,
+    v_cache_shape=rope_cache_shape, decode_write=decode_write,
     experts=lambda cfg: cfg.moe if cfg.moe.enabled else None,
 )

@@ -111,6 +111,8 @@ class ModelFamily:
     pool: Piece | None = None
     # decoding with a KV cache (``fxmega.inference``): the cache's shape per block, and where a step writes
     kv_cache_shape: Callable[[Any, int, int], tuple[int, ...]] | None = None
+    # the second cached tensor's shape where it is not the first's (MLA caches a latent and a rotary key)
+    v_cache_shape: Callable[[Any, int, int], tuple[int, ...]] | None = None
     decode_write: Callable[[Any, int, int, int, torch.Tensor], CacheWrite] | None = None
     # an encoder-decoder (T5): encode once, decode over the cache
     encode: Callable[..., Any] | None = None

@@ -96,10 +96,17 @@ def output_axes(model: ModelFamily) -> tuple[str | None, ...]:
 def init_cache(model: ModelFamily, cfg: ModelConfig, blocks: Sequence[int], batch: int, max_len: int,
                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> dict[int, KV]:
     """An empty KV cache for the blocks ``blocks`` (global indices: a pipeline stage caches
-    only its own), each ``(k, v)`` of the family's ``kv_cache_shape``."""
-    shape = model.kv_cache_shape(cfg, batch, max_len)
-    return {i: (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for i in blocks}
+    only its own), each ``(k, v)`` of the family's ``kv_cache_shape`` (``v`` of its
+    ``v_cache_shape`` where it declares one)."""
+    shapes = cache_shapes(model, cfg, batch, max_len)
+    return {i: tuple(torch.zeros(shape, dtype=dtype, device=device) for shape in shapes) for i in blocks}
+
+
+def cache_shapes(model: ModelFamily, cfg: ModelConfig, batch: int, max_len: int) -> tuple[tuple[int, ...], ...]:
+    """The two tensors each block caches: the family's ``kv_cache_shape``, and its
+    ``v_cache_shape`` or the same again."""
+    k = tuple(model.kv_cache_shape(cfg, batch, max_len))
+    return k, (tuple(model.v_cache_shape(cfg, batch, max_len)) if model.v_cache_shape is not None else k)
 
 
 def decode_pieces(model: ModelFamily, params: dict, x: torch.Tensor, cfg: ModelConfig, cache: dict[int, KV],

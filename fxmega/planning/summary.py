@@ -3,6 +3,8 @@ shape check that runs the forward pass on meta tensors (no memory is allocated).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from fxmega.core import tree
@@ -72,5 +74,10 @@ def summary(model_cfg: object, seq_len: int) -> str:
     if active is not None:  # a mixture of experts: what one token passes through
         lines.append(f"active per token: {active(model_cfg):,}")
     lines.append(f"FLOPs/token at seq_len {seq_len}: {flops:,} (6N + 12*L*H*Q*T; N without position embeddings)")
+    model = model_for(model_cfg)
+    if model.can_decode and not model.is_encoder_decoder:  # what generation caches for each token
+        per_block = [math.prod(shape[2:]) for shape in pieces.cache_shapes(model, model_cfg, 1, 1)]
+        lines.append(f"KV cache per token: {model_cfg.n_layers * sum(per_block) * 2:,} bytes in bf16 "
+                     f"({model_cfg.n_layers} blocks x {' + '.join(map(str, per_block))} values)")
     lines.append(f"shape check on meta tensors: logits {list(logits)} ok")
     return "\n".join(lines)
