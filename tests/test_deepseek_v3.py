@@ -1,7 +1,8 @@
 """DeepSeek-V3 (fxmega/models/deepseek_v3.py) in training: the tiny model trains, its
-auxiliary-loss-free selection bias moves with the load, and the data-parallel meshes it
-runs on equal one device in losses, gradient norms, gradients and router statistics; the
-671B config's sizes and its latent cache. Its float64 logits against transformers'
+auxiliary-loss-free selection bias moves with the load, and the meshes it runs on (dp,
+ZeRO-3, fsdp, ep, tp with and without sequence parallelism) equal one device in losses,
+gradient norms, gradients and router statistics; the 671B config's sizes and its latent
+cache. Its float64 logits against transformers'
 DeepseekV3 both ways: tests/test_convert.py; generation over the latent cache equal to the
 uncached forward: tests/test_generate.py."""
 
@@ -24,8 +25,11 @@ from tests.sharding_workers import tiny_config, train
 from tests.test_mixtral import assert_router_stats_match
 
 STEPS = 3
-MESHES = {"dp2": dict(mesh="dp=2"), "zero3": dict(mesh="dp=2", rules="zero3"), "fsdp2": dict(mesh="fsdp=2",
-                                                                                            rules="fsdp")}
+# ep=2 folded over dp=2: each of the 2 ranks holds half the experts; the tokens reach them by all-to-all
+MESHES = {"dp2": dict(mesh="dp=2"), "zero3": dict(mesh="dp=2", rules="zero3"),
+          "fsdp2": dict(mesh="fsdp=2", rules="fsdp"), "ep2": dict(mesh="dp=2,ep=2"),
+          # heads split over tp (the up-projections and wo), the latents replicated; with sequence parallelism
+          "tp2": dict(mesh="tp=2"), "tp2_sp": dict(mesh="tp=2", sequence_parallel=True)}
 
 
 def _config(parallel: dict | None = None):
@@ -55,18 +59,26 @@ def test_the_selection_bias_moves_with_the_load_and_the_loss_falls(one_device):
     assert one_device["losses"][-1] < one_device["losses"][0]
 
 
+# make test runs the riskiest three (gathers, all-to-alls, split heads with the sequence split);
+# make e2e the rest too
+RISKIEST = ("zero3", "ep2", "tp2_sp")
+
+
 @pytest.mark.slow
-def test_data_parallel_meshes_equal_one_device(one_device):
-    got = run_ranks(2, "tests.test_deepseek_v3:mesh_runs", list(MESHES))[0]
-    for name in MESHES:
+@pytest.mark.parametrize("names", [pytest.param(RISKIEST, id="riskiest"),
+                                   pytest.param(tuple(m for m in MESHES if m not in RISKIEST), id="others",
+                                                marks=pytest.mark.e2e)])
+def test_meshes_equal_one_device(one_device, names):
+    got = run_ranks(2, "tests.test_deepseek_v3:mesh_runs", list(names))[0]
+    for name in names:
         assert_matches_one_device(got[name], one_device, _config(), name)
         assert_router_stats_match(got[name], one_device, name)
 
 
-@pytest.mark.parametrize("mesh", ["tp=2", "pp=2", "cp=2", "dp=2,ep=2"])
+@pytest.mark.parametrize("mesh", ["pp=2", "cp=2"])
 def test_meshes_not_built_for_it_yet_are_refused(mesh):
     cfg = tiny_config({"mesh": mesh}, model="tiny_deepseek_v3")
-    with pytest.raises(ConfigError, match="deepseek_v3 family has been shown equal to one device on the data axes"):
+    with pytest.raises(ConfigError, match="deepseek_v3 family has been shown equal to one device on dp, fsdp, ep, tp"):
         preflight(cfg, model_for(cfg.model), torch.device("cpu"))
 
 

@@ -119,9 +119,12 @@ class Config:
                               f"pairs of dims")
         if self.mscale_all_dim < 0:
             raise ConfigError(f"{prefix}.mscale_all_dim={self.mscale_all_dim} must not be negative")
-        if self.moe.enabled and self.moe.first_dense_layers >= self.n_layers:
+        if not self.moe.enabled:
+            raise ConfigError(f"{prefix}.moe.n_experts=0: DeepSeek-V3's blocks after the first dense ones have "
+                              f"experts; give n_experts >= 1")
+        if self.moe.first_dense_layers >= self.n_layers:
             raise ConfigError(f"{prefix}.moe.first_dense_layers={self.moe.first_dense_layers} leaves none of the "
-                              f"{self.n_layers} layers with experts: give n_experts=0 for a dense model")
+                              f"{self.n_layers} layers with experts")
 
 
 def attention_specs(cfg: Config) -> dict:
@@ -173,7 +176,9 @@ def attention(p: dict, x: torch.Tensor, cfg: Config, attend: layers.Attend) -> t
     q_nope, q_rope = q.split([nope, rope], dim=-1)
     cos, sin = attend.rotary.unbind(0)
     q_rope = apply_rope(q_rope, cos, sin)
-    k_rope = apply_rope(k_rope.unsqueeze(-2), cos, sin).expand(*k_nope.shape[:-1], rope)  # one key for every head
+    # one rotary key for every head; under tp each rank takes its heads' share of the (replicated) copies
+    k_rope = shard(apply_rope(k_rope.unsqueeze(-2), cos, sin).expand(*k_nope.shape[:-1], rope),
+                   "batch", None, "heads", "head_dim")
     # SDPA scales by 1 / sqrt(qk_head_dim); the rest of the scale (YaRN's temperature) on the queries
     extra = cfg.softmax_scale * math.sqrt(cfg.qk_head_dim)
     q = torch.cat([q_nope, q_rope], dim=-1)
@@ -267,24 +272,22 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config,
     return head(params, x, cfg)
 
 
-# the meshes each piece has been shown equal to one device on; the others are refused until then
-SHOWN_AXES = ("dp", "fsdp")
+# the mesh axes the family has been shown equal to one device on (tests/test_deepseek_v3.py):
+# the data axes and ep, folded over them; the others are refused until then
+SHOWN_AXES = ("dp", "fsdp", "ep", "tp")
 
 
 def check_mesh(cfg: Config, mesh: MeshSpec) -> None:
     """Meshes DeepSeek-V3 has not been run on yet, refused before anything is built."""
-    for axis in ("tp", "pp", "cp", "ep"):
+    for axis in ("pp", "cp"):
         if mesh.size(axis) > 1:
             raise ConfigError(f"--mesh {mesh.describe()}: the deepseek_v3 family has been shown equal to one device "
-                              f"on the data axes only ({', '.join(SHOWN_AXES)}, ZeRO); {axis} is not built for it "
-                              f"yet")
+                              f"on {', '.join(SHOWN_AXES)} (and ZeRO); {axis} is not built for it yet")
 
 
 def active_params(cfg: Config) -> int:
     """Parameters one token passes through: all but the routed experts it was not sent to."""
     total = sum(s.numel for s in tree.leaves(param_specs(cfg)))
-    if not cfg.moe.enabled:
-        return total
     idle = cfg.moe.n_experts - cfg.moe.top_k
     moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
     return total - moe_layers * idle * 3 * cfg.d_model * cfg.moe.expert_width(cfg.d_ff)
@@ -296,5 +299,5 @@ FAMILY = ModelFamily(
     attend_inputs=attend_inputs, final_hidden=final_hidden, output_weight=output_weight, POOL_PARAMS=POOL_PARAMS,
     pool=pool, active_params=active_params, check_mesh=check_mesh, ROUTER_METER=True, kv_cache_shape=kv_cache_shape,
     v_cache_shape=rope_cache_shape, decode_write=decode_write,
-    experts=lambda cfg: cfg.moe if cfg.moe.enabled else None,
+    experts=lambda cfg: cfg.moe,
 )

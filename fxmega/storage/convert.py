@@ -150,9 +150,9 @@ def _deepseek_v3_config(hf: dict[str, Any]) -> deepseek_v3.Config:
 
 def _deepseek_v3_to_hf(cfg: deepseek_v3.Config, torch_dtype: str) -> dict[str, Any]:
     m = cfg.moe
-    _require(m.enabled and m.score == "sigmoid" and not m.shared_gate,
-             f"this deepseek_v3 model ({m}) has features DeepseekV3ForCausalLM lacks (no experts, softmax scores, a "
-             f"gate on the shared experts); it is not exported")
+    _require(m.score == "sigmoid" and not m.shared_gate,
+             f"this deepseek_v3 model ({m}) has features DeepseekV3ForCausalLM lacks (softmax scores, a gate on "
+             f"the shared experts); it is not exported")
     rope = _rope_to_hf(cfg)  # YaRN's temperature on the tables as attention_factor, which transformers reads first
     if cfg.mscale_all_dim:
         rope["mscale_all_dim"] = cfg.mscale_all_dim
