@@ -161,23 +161,29 @@ def attend_inputs(cfg: Config, seq_len: int, device: torch.device, valid: torch.
     return layers.attend_inputs(seq_len, device, cfg.rope, cfg.qk_rope_head_dim, valid, positions)
 
 
-def attention(p: dict, x: torch.Tensor, cfg: Config, attend: layers.Attend) -> torch.Tensor:
-    """Multi-head latent attention over ``x [batch, seq, embed]`` (causal, rotary tables in
-    ``attend``)."""
-    nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+def _queries_and_latent(p: dict, x: torch.Tensor, cfg: Config) -> tuple[torch.Tensor, ...]:
+    """``x``'s queries split into their no-position and rotary parts ``[batch, seq, heads, *]``,
+    its normalised key-value latent ``[batch, seq, kv_lora_rank]`` and its (not yet rotated)
+    shared rotary key ``[batch, seq, qk_rope_head_dim]``."""
     if "wq_a" in p:
         latent_q = layers.rms_norm(layers.linear(x, p["wq_a"]), p["q_norm"]["scale"], cfg.norm_eps)
         q = layers.project_to_heads(latent_q, p["wq_b"])
     else:
         q = layers.project_to_heads(x, p["wq"])
-    latent_kv, k_rope = layers.linear(x, p["wkv_a"]).split([cfg.kv_lora_rank, rope], dim=-1)
-    kv = layers.project_to_heads(layers.rms_norm(latent_kv, p["kv_norm"]["scale"], cfg.norm_eps), p["wkv_b"])
-    k_nope, v = kv.split([nope, cfg.v_head_dim], dim=-1)
-    q_nope, q_rope = q.split([nope, rope], dim=-1)
+    q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+    latent_kv, k_rope = layers.linear(x, p["wkv_a"]).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+    return q_nope, q_rope, layers.rms_norm(latent_kv, p["kv_norm"]["scale"], cfg.norm_eps), k_rope
+
+
+def attention(p: dict, x: torch.Tensor, cfg: Config, attend: layers.Attend) -> torch.Tensor:
+    """Multi-head latent attention over ``x [batch, seq, embed]`` (causal, rotary tables in
+    ``attend``)."""
+    q_nope, q_rope, latent_kv, k_rope = _queries_and_latent(p, x, cfg)
+    k_nope, v = layers.project_to_heads(latent_kv, p["wkv_b"]).split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
     cos, sin = attend.rotary.unbind(0)
     q_rope = apply_rope(q_rope, cos, sin)
     # one rotary key for every head; under tp each rank takes its heads' share of the (replicated) copies
-    k_rope = shard(apply_rope(k_rope.unsqueeze(-2), cos, sin).expand(*k_nope.shape[:-1], rope),
+    k_rope = shard(apply_rope(k_rope.unsqueeze(-2), cos, sin).expand(*k_nope.shape[:-1], cfg.qk_rope_head_dim),
                    "batch", None, "heads", "head_dim")
     # SDPA scales by 1 / sqrt(qk_head_dim); the rest of the scale (YaRN's temperature) on the queries
     extra = cfg.softmax_scale * math.sqrt(cfg.qk_head_dim)
@@ -238,25 +244,18 @@ def cached_attention(p: dict, x: torch.Tensor, cfg: Config, cache: layers.KV,
                      write: layers.CacheWrite) -> tuple[torch.Tensor, layers.KV]:
     """MLA of new tokens ``x [batch, new, embed]`` over the latent cache: their latents and
     rotary keys written at ``write.start``, their queries absorbed into the latent space."""
-    nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-    if "wq_a" in p:
-        latent_q = layers.rms_norm(layers.linear(x, p["wq_a"]), p["q_norm"]["scale"], cfg.norm_eps)
-        q = layers.project_to_heads(latent_q, p["wq_b"])
-    else:
-        q = layers.project_to_heads(x, p["wq"])
-    latent_kv, k_rope = layers.linear(x, p["wkv_a"]).split([cfg.kv_lora_rank, rope], dim=-1)
-    latent_kv = layers.rms_norm(latent_kv, p["kv_norm"]["scale"], cfg.norm_eps)
-    q_nope, q_rope = q.split([nope, rope], dim=-1)
+    q_nope, q_rope, latent_kv, k_rope = _queries_and_latent(p, x, cfg)
     q_rope = apply_rope(q_rope, write.cos, write.sin)
     k_rope = apply_rope(k_rope.unsqueeze(-2), write.cos, write.sin)
     cache_c, cache_r = cache
     end = write.start + x.shape[1]
     cache_c = torch.slice_scatter(cache_c, latent_kv.unsqueeze(-2).to(cache_c.dtype), dim=1, start=write.start, end=end)
     cache_r = torch.slice_scatter(cache_r, k_rope.to(cache_r.dtype), dim=1, start=write.start, end=end)
-    w_uk, w_uv = p["wkv_b"].split([nope, cfg.v_head_dim], dim=-1)  # [kv_lora, heads, nope], [kv_lora, heads, v]
+    # [kv_lora, heads, nope], [kv_lora, heads, v]
+    w_uk, w_uv = p["wkv_b"].split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
     q_latent = torch.einsum("bshn,chn->bshc", q_nope, w_uk.to(q_nope.dtype))
-    keys = torch.cat([cache_c, cache_r], dim=-1).to(q.dtype)  # one key-value head for every query head
-    out = layers.sdpa(torch.cat([q_latent, q_rope], dim=-1), keys, cache_c.to(q.dtype), attn_mask=write.mask,
+    keys = torch.cat([cache_c, cache_r], dim=-1).to(q_latent.dtype)  # one key-value head for every query head
+    out = layers.sdpa(torch.cat([q_latent, q_rope], dim=-1), keys, cache_c.to(keys.dtype), attn_mask=write.mask,
                       scale=cfg.softmax_scale, enable_gqa=True)
     out = torch.einsum("bshc,chv->bshv", out, w_uv.to(out.dtype))
     return layers.project_from_heads(out, p["wo"]), (cache_c, cache_r)
