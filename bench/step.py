@@ -44,7 +44,7 @@ from plain_llama import PlainLlama  # noqa: E402
 from fxmega.config import ComputeConfig, DataConfig, OptimConfig, RunConfig, TrainConfig  # noqa: E402
 from fxmega.core.precision import compute_dtype  # noqa: E402
 from fxmega.models import gpt, llama  # noqa: E402
-from fxmega.ops import fp8  # noqa: E402
+from fxmega.ops.fp8 import RECIPES, Fp8Filter, emulated  # noqa: E402
 from fxmega.ops.init import count_params  # noqa: E402
 from fxmega.training.metrics import device_peak, model_flops_per_token  # noqa: E402
 from fxmega.training.run import Run  # noqa: E402
@@ -98,8 +98,8 @@ def to_fp8(model: torch.nn.Module, recipe: str, device: torch.device) -> torch.n
 
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=fp8.emulated(device))
-    multiple = fp8.Fp8Filter().multiple
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulated(device))
+    multiple = Fp8Filter().multiple
 
     def accepts(module: torch.nn.Module, fqn: str) -> bool:
         return fqn != "head" and all(d % multiple == 0 for d in module.weight.shape)
@@ -138,7 +138,7 @@ def main() -> None:
     ap.add_argument("--kernels", default="reference", choices=["reference", "triton"])
     ap.add_argument("--loss-chunk", type=int, default=0)
     ap.add_argument("--cuda-graphs", action="store_true", help="fxmega's step as CUDA graphs (train.cuda_graphs)")
-    ap.add_argument("--fp8", default="off", choices=["off", *fp8.RECIPES],
+    ap.add_argument("--fp8", default="off", choices=["off", *RECIPES],
                     help="fxmega's fp8 recipe, and torchao's Float8Linear with it in the plain model")
     ap.add_argument("--no-eager", action="store_true", help="leave out the plain eager model (time on a lent GPU)")
     args = ap.parse_args()

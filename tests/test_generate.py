@@ -164,21 +164,21 @@ def test_a_request_longer_than_max_seq_len_raises_naming_the_numbers(tiny_gpt):
     params = init_params(gpt.param_specs(cfg), seed=0)
     with pytest.raises(ValueError, match=r"prompt 1 has 60 tokens and max_new_tokens=5: .*65 exceeds "
                                          r"max_seq_len=64.*at most 59 tokens.*at most 4"):
-        generate_cached(gpt, params, cfg, [[1], [2] * 60], 5)
-    generate_cached(gpt, params, cfg, [[2] * 59], 5)  # exactly fits
+        generate_cached(gpt.FAMILY, params, cfg, [[1], [2] * 60], 5)
+    generate_cached(gpt.FAMILY, params, cfg, [[2] * 59], 5)  # exactly fits
     with pytest.raises(ValueError, match="prompt 0 is empty"):
-        generate_cached(gpt, params, cfg, [[]], 5)
+        generate_cached(gpt.FAMILY, params, cfg, [[]], 5)
     with pytest.raises(ValueError, match=r"top_p=0 must be in \(0, 1\]"):
-        generate_cached(gpt, params, cfg, [[1]], 5, top_p=0)
+        generate_cached(gpt.FAMILY, params, cfg, [[1]], 5, top_p=0)
     with pytest.raises(ValueError, match=r"token ids \[256\] outside the vocabulary \[0, 256\)"):
-        generate_cached(gpt, params, cfg, [[1, 256]], 5)
+        generate_cached(gpt.FAMILY, params, cfg, [[1, 256]], 5)
 
 
 def test_sample_text_is_run_sample_on_the_cache_in_windows(tiny_llama):
     cfg = tiny_llama.model
     params = init_params(llama.param_specs(cfg), seed=0)
     tok = ByteTokenizer()
-    gen = partial(generate_cached, llama, params, cfg)
+    gen = partial(generate_cached, llama.FAMILY, params, cfg)
     new = gen([tok.encode("Hi")], 5, temperature=0.8, top_k=40, seed=7)[0]
     assert sample_text(gen, cfg, tok, "Hi", 5, seed=7) == tok.decode(tok.encode("Hi") + new)
     # a prompt too long for the window conditions on its last max_seq_len - max_new_tokens tokens

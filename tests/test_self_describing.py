@@ -38,7 +38,7 @@ def gpt2_bpe(tmp_path_factory):
 
 
 def _completion(cfg: gpt.Config, params: dict, tokenizer) -> str:
-    ids = generate_cached(gpt, params, cfg, [tokenizer.encode(PROMPT)], 6)[0]
+    ids = generate_cached(gpt.FAMILY, params, cfg, [tokenizer.encode(PROMPT)], 6)[0]
     return PROMPT + tokenizer.decode(ids)
 
 

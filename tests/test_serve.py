@@ -49,7 +49,7 @@ def model():
 @pytest.fixture(scope="module")
 def server(model):
     cfg, params = model
-    srv = serve(partial(generate_cached, gpt, params, cfg), ByteTokenizer(), "127.0.0.1", 0, max_prompt_tokens=60,
+    srv = serve(partial(generate_cached, gpt.FAMILY, params, cfg), ByteTokenizer(), "127.0.0.1", 0, max_prompt_tokens=60,
                 max_new_tokens_limit=16, max_context=cfg.max_seq_len, max_body_bytes=4096, model_name="tiny-gpt")
     yield srv
     srv.stop()
@@ -65,7 +65,7 @@ def test_greedy_completion_equals_calling_the_generator(server, model):
     status, body, headers = request(server, "/v1/completions",
                                     {"prompt": "Hello", "max_tokens": 8, "temperature": 0, "seed": 1})
     assert status == 200 and headers["Content-Type"] == "application/json"
-    expected = tok.decode(generate_cached(gpt, params, cfg, [tok.encode("Hello")], 8, seed=1)[0])
+    expected = tok.decode(generate_cached(gpt.FAMILY, params, cfg, [tok.encode("Hello")], 8, seed=1)[0])
     assert body["choices"] == [{"index": 0, "text": expected, "logprobs": None, "finish_reason": "length"}]
     assert body["object"] == "text_completion" and body["model"] == "tiny-gpt" and body["id"].startswith("cmpl-")
     assert isinstance(body["created"], int)
@@ -77,7 +77,7 @@ def test_seeded_sampling_equals_the_generator_and_repeats(server, model):
     tok = ByteTokenizer()
     ask = {"prompt": "Once", "max_tokens": 12, "temperature": 1.0, "top_p": 0.9, "top_k": 20, "seed": 5}
     first = request(server, "/v1/completions", ask)[1]["choices"][0]["text"]
-    direct = generate_cached(gpt, params, cfg, [tok.encode("Once")], 12, temperature=1.0, top_k=20, top_p=0.9,
+    direct = generate_cached(gpt.FAMILY, params, cfg, [tok.encode("Once")], 12, temperature=1.0, top_k=20, top_p=0.9,
                              seed=5)[0]
     assert first == tok.decode(direct)
     assert request(server, "/v1/completions", ask)[1]["choices"][0]["text"] == first
@@ -90,7 +90,7 @@ def test_a_list_prompt_gets_one_choice_per_prompt(server, model):
     status, body, _ = request(server, "/v1/completions", {"prompt": prompts, "max_tokens": 6, "temperature": 0})
     assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2]
     for prompt, choice in zip(prompts, body["choices"]):
-        assert choice["text"] == tok.decode(generate_cached(gpt, params, cfg, [tok.encode(prompt)], 6)[0])
+        assert choice["text"] == tok.decode(generate_cached(gpt.FAMILY, params, cfg, [tok.encode(prompt)], 6)[0])
     assert body["usage"]["prompt_tokens"] == 1 + 3 + 11 and body["usage"]["completion_tokens"] == 18
 
 
@@ -278,9 +278,9 @@ def test_a_stopped_server_refuses_connections():
 @pytest.fixture(scope="module")
 def scoring_server(model):
     cfg, params = model
-    srv = serve(partial(generate_cached, gpt, params, cfg), ByteTokenizer(), "127.0.0.1", 0, max_prompt_tokens=60,
+    srv = serve(partial(generate_cached, gpt.FAMILY, params, cfg), ByteTokenizer(), "127.0.0.1", 0, max_prompt_tokens=60,
                 max_new_tokens_limit=16, max_context=cfg.max_seq_len, model_name="tiny-gpt",
-                score_fn=partial(token_scores, LocalDecoder(gpt, params, cfg), cfg))
+                score_fn=partial(token_scores, LocalDecoder(gpt.FAMILY, params, cfg), cfg))
     yield srv
     srv.stop()
 
@@ -296,11 +296,11 @@ def test_echo_with_logprobs_scores_the_prompt_and_the_completion(scoring_server,
                                                                   "logprobs": 1, "temperature": 0})
     assert status == 200, body
     (choice,) = body["choices"]
-    new = generate_cached(gpt, params, cfg, [ids], 1)[0]
+    new = generate_cached(gpt.FAMILY, params, cfg, [ids], 1)[0]
     assert choice["text"] == "the quick brown" + ByteTokenizer().decode(new)
     lp = choice["logprobs"]
     assert lp["tokens"] == [chr(t) for t in ids + new] and lp["text_offset"] == list(range(len(ids) + 1))
-    want = token_scores(LocalDecoder(gpt, params, cfg), cfg, [ids + new], top=1)[0]
+    want = token_scores(LocalDecoder(gpt.FAMILY, params, cfg), cfg, [ids + new], top=1)[0]
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert lp["token_logprobs"][1:] == pytest.approx(want.logprobs, rel=1e-6)
     assert all(len(top) == 1 for top in lp["top_logprobs"][1:])
@@ -313,9 +313,9 @@ def test_logprobs_without_echo_cover_the_completion(scoring_server, model):
                                                                   "logprobs": 3, "temperature": 0})
     assert status == 200, body
     ids = ByteTokenizer().encode("Hello")
-    new = generate_cached(gpt, params, cfg, [ids], 4)[0]
+    new = generate_cached(gpt.FAMILY, params, cfg, [ids], 4)[0]
     lp = body["choices"][0]["logprobs"]
-    want = token_scores(LocalDecoder(gpt, params, cfg), cfg, [ids + new], top=3)[0]
+    want = token_scores(LocalDecoder(gpt.FAMILY, params, cfg), cfg, [ids + new], top=3)[0]
     assert lp["token_logprobs"] == pytest.approx(want.logprobs[len(ids) - 1:], rel=1e-6)
     assert lp["text_offset"][0] == len("Hello") and all(1 <= len(top) <= 3 for top in lp["top_logprobs"])
 

@@ -106,9 +106,7 @@ def cache_shapes(model: ModelFamily, cfg: ModelConfig, batch: int, max_len: int)
     """The two tensors each block caches: the family's ``kv_cache_shape``, and its
     ``v_cache_shape`` or the same again."""
     k = tuple(model.kv_cache_shape(cfg, batch, max_len))
-    # a family module passed where a ModelFamily is expected (generation's older callers) has no v_cache_shape
-    v_shape = getattr(model, "v_cache_shape", None)
-    return k, (tuple(v_shape(cfg, batch, max_len)) if v_shape is not None else k)
+    return k, (tuple(model.v_cache_shape(cfg, batch, max_len)) if model.v_cache_shape is not None else k)
 
 
 def decode_pieces(model: ModelFamily, params: dict, x: torch.Tensor, cfg: ModelConfig, cache: dict[int, KV],
