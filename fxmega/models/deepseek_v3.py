@@ -286,10 +286,7 @@ def check_mesh(cfg: Config, mesh: MeshSpec) -> None:
 
 def active_params(cfg: Config) -> int:
     """Parameters one token passes through: all but the routed experts it was not sent to."""
-    total = sum(s.numel for s in tree.leaves(param_specs(cfg)))
-    idle = cfg.moe.n_experts - cfg.moe.top_k
-    moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
-    return total - moe_layers * idle * 3 * cfg.d_model * cfg.moe.expert_width(cfg.d_ff)
+    return sum(s.numel for s in tree.leaves(param_specs(cfg))) - mixtral.idle_expert_params(cfg)
 
 
 FAMILY = ModelFamily(

@@ -173,11 +173,15 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config,
 def active_params(cfg: Config) -> int:
     """Parameters one token passes through: everything but the experts it was not routed to
     (the embedding row it reads counts whole, as the published "active" figures count it)."""
-    total = sum(s.numel for s in tree.leaves(param_specs(cfg)))
-    f = cfg.moe.expert_width(cfg.d_ff)
+    return sum(s.numel for s in tree.leaves(param_specs(cfg))) - idle_expert_params(cfg)
+
+
+def idle_expert_params(cfg: Config) -> int:
+    """Routed-expert parameters a token skips: in every MoE block, the three matrices of each
+    expert it was not sent to (shared by the families that use this feed-forward)."""
     idle = cfg.moe.n_experts - cfg.moe.top_k
     moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
-    return total - moe_layers * idle * 3 * cfg.d_model * f
+    return moe_layers * idle * 3 * cfg.d_model * cfg.moe.expert_width(cfg.d_ff)
 
 
 FAMILY = ModelFamily(
