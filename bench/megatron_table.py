@@ -66,7 +66,7 @@ def main() -> None:
             continue
         cfg = config(heads, hidden, layers, tp, pp, dp, batch)
         specs = gpt.param_specs(cfg.model)
-        plan = plan_from(specs, cfg.parallel, gpt)  # flat buffers: dp=48 needs not divide the hidden size
+        plan = plan_from(specs, cfg.parallel, gpt.FAMILY)  # flat buffers: dp=48 needs not divide the hidden size
         theirs = estimate_plan(cfg, plan).peak
         found = [c for c in auto.search(cfg, gpus, profile) if not c.reason]
         best = found[0] if found else None

@@ -34,6 +34,7 @@ def record(run: Recordable, steps: int) -> dict:
             first_moment = {p: t.detach().cpu().clone() for p, t in tree.items(run.full_opt_state("exp_avg"))}
     return {"losses": [m["loss"] for m in metrics], "grad_norms": [m["grad_norm"] for m in metrics],
             "router": [{k: v for k, v in m.items() if k.startswith("moe_")} for m in metrics],  # MoE statistics
+            "mtp": [{k: v for k, v in m.items() if k.startswith("mtp_loss_")} for m in metrics],  # MTP's depth losses
             "params": {p: t.detach().cpu().clone() for p, t in tree.items(run.full_params())},
             "first_moment": first_moment}
 

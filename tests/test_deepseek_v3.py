@@ -1,26 +1,33 @@
 """DeepSeek-V3 (fxmega/models/deepseek_v3.py) in training: the tiny model trains, its
 auxiliary-loss-free selection bias moves with the load, and the meshes it runs on (dp,
 ZeRO-3, fsdp, ep, tp with and without sequence parallelism) equal one device in losses,
-gradient norms, gradients and router statistics; the 671B config's sizes and its latent
-cache. Its float64 logits against transformers'
+gradient norms, gradients, router statistics and multi-token prediction's depth losses;
+multi-token prediction's loss and gradients equal a float64 reference of the report's
+equations; the 671B config's sizes and its latent cache. Its float64 logits against transformers'
 DeepseekV3 both ways: tests/test_convert.py; generation over the latent cache equal to the
 uncached forward: tests/test_generate.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+import torch.nn.functional as F
 
-from fxmega.config import load
+from fxmega.config import load, override
+from fxmega.core import tree
 from fxmega.core.errors import ConfigError
-from fxmega.models import deepseek_v3, llama, model_for
+from fxmega.models import deepseek_v3, llama, lm_loss_sum, model_for
 from fxmega.models.pieces import init_cache
+from fxmega.ops import aux_loss, layers, mtp
+from fxmega.ops.init import init_params
 from fxmega.planning.summary import summary
 from fxmega.training.checks import preflight
 from fxmega.training.run import Run
 from tests.conftest import ROOT
 from tests.multirank import run_ranks
-from tests.parity import assert_matches_one_device, record
+from tests.parity import assert_losses_match, assert_matches_one_device, record
 from tests.sharding_workers import tiny_config, train
 from tests.test_mixtral import assert_router_stats_match
 
@@ -53,7 +60,8 @@ def test_the_selection_bias_moves_with_the_load_and_the_loss_falls(one_device):
     cfg = _config()
     rate = cfg.model.moe.bias_update_rate
     biases = {p: t for p, t in one_device["params"].items() if p.endswith("expert_bias")}
-    assert sorted(biases) == [f"blocks.{i}.moe.expert_bias" for i in (1, 2)]  # block 0 is dense
+    # block 0 is dense; the MTP module's block has experts, and a bias, too
+    assert sorted(biases) == [*(f"blocks.{i}.moe.expert_bias" for i in (1, 2)), "mtp.0.block.moe.expert_bias"]
     for path, bias in biases.items():
         assert bias.abs().max() > 0 and bias.abs().max() <= STEPS * rate * (1 + 1e-6), path
     assert one_device["losses"][-1] < one_device["losses"][0]
@@ -73,6 +81,11 @@ def test_meshes_equal_one_device(one_device, names):
     for name in names:
         assert_matches_one_device(got[name], one_device, _config(), name)
         assert_router_stats_match(got[name], one_device, name)
+        # each depth's loss is a cross-entropy mean like the main loss: the same rounding bound
+        assert got[name]["mtp"][0] and len(got[name]["mtp"]) == STEPS, name
+        for key in one_device["mtp"][0]:
+            assert_losses_match([m[key] for m in got[name]["mtp"]], [m[key] for m in one_device["mtp"]], _config(),
+                                f"{name} {key}")
 
 
 @pytest.mark.parametrize("mesh", ["pp=2", "cp=2"])
@@ -106,3 +119,76 @@ def test_the_latent_cache_holds_latents_not_heads():
                              n_heads=cfg.n_heads, n_kv_heads=2, d_ff=cfg.d_ff)
     gqa = init_cache(llama.FAMILY, llama_cfg, range(cfg.n_layers), batch=1, max_len=10)
     assert measured < sum(t.numel() * t.element_size() for kv in gqa.values() for t in kv) / 10
+
+
+# ---- multi-token prediction against the report's equations -----------------------------------
+
+def _reference(params: dict, tokens: torch.Tensor, mask: torch.Tensor, cfg: deepseek_v3.Config):
+    """The DeepSeek-V3 report's section 2.2, written over truncated sequences as the report
+    indexes them (not fxmega's shifted full-length ones): depth ``k`` covers the positions
+    ``i < T - k``, combines ``h^{k-1}_i`` with ``Emb(t_{i+k})`` and predicts ``t_{i+k+1}``.
+    Returns the training loss (main mean plus weight/D times each depth's summed loss, over
+    the main loss's targets) and each depth's (summed loss, targets)."""
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    seq = inputs.shape[1]
+    h = deepseek_v3.embed(params, inputs, cfg)
+    for p in params["blocks"]:
+        h = deepseek_v3.block(p, h, cfg)
+    logits = llama.head(params, h, cfg)
+    total = (F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none") * mask.flatten()).sum()
+    depths = []
+    for k, p in enumerate(params["mtp"], start=1):
+        n = seq - k
+        emb = layers.rms_norm(deepseek_v3.embed(params, targets[:, k - 1:k - 1 + n], cfg), p["enorm"]["scale"],
+                              cfg.norm_eps)  # Emb(t_{i+k}), t_{i+k} = targets[i+k-1]
+        h = torch.cat([emb, layers.rms_norm(h[:, :n], p["hnorm"]["scale"], cfg.norm_eps)], dim=-1) @ p["eh_proj"]
+        h = deepseek_v3.block(p["block"], h, cfg)
+        logits = layers.rms_norm(h, p["norm"]["scale"], cfg.norm_eps) @ params["head"]
+        ce = F.cross_entropy(logits.flatten(0, 1), targets[:, k:].flatten(), reduction="none") * mask[:, k:].flatten()
+        depths.append((ce.sum(), mask[:, k:].sum()))
+        total = total + cfg.mtp_loss_weight / cfg.mtp_depth * ce.sum()
+    return total / mask.sum(), depths
+
+
+def test_mtp_loss_and_gradients_equal_the_float64_reference():
+    """Two MTP depths on the tiny model in float64, with a loss mask that leaves targets out:
+    the gradient of every parameter that a loss trains (the selection bias is moved by the
+    load, not a loss) equals the reference's, and each depth's summed loss and target count
+    that reach the step's meter equal the reference's."""
+    cfg = load(ROOT / "configs" / "tiny_deepseek_v3.py").model
+    cfg = dataclasses.replace(cfg, mtp_depth=2, mtp_loss_weight=0.3)
+    params = tree.map_leaves(lambda t: t.double().requires_grad_(), init_params(deepseek_v3.param_specs(cfg), seed=3))
+    tokens = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 12, dtype=torch.float64)
+    mask[0, 3] = mask[1, 7:] = 0  # a target left out, and a row's tail (where depth 1 and 2 targets come from)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
+    names = deepseek_v3.FAMILY.meter_stats(cfg)
+    meter = torch.zeros(len(names), dtype=torch.float64, requires_grad=True)
+    inv_tokens = 1.0 / mask.sum()
+    with aux_loss.gradient_scale(inv_tokens), aux_loss.metering(meter, names):
+        loss = lm_loss_sum(params, batch, cfg) * inv_tokens
+    paths = [p for p in tree.paths(params) if not p.endswith("expert_bias")]
+    leaves = dict(tree.items(params))
+    got = torch.autograd.grad(loss, [leaves[p] for p in paths] + [meter])
+    want_loss, depths = _reference(params, tokens, mask, cfg)
+    want = torch.autograd.grad(want_loss, [leaves[p] for p in paths])
+    # float64 except the cross-entropy, which fxmega runs in fp32 by design
+    # (layers.cross_entropy_sum): its softmax over 256 classes rounds at ~256 x 6e-8 = 1.5e-5
+    # of the largest gradient entry; a misplaced target or weight differs by O(1) of it
+    for path, g, w in zip(paths, got, want):
+        diff, scale = float((g - w).abs().max()), float(w.abs().max())
+        assert diff <= 1.5e-5 * scale, (path, diff, scale)
+    assert any(float(g.abs().max()) > 0 for path, g in zip(paths, got) if path.startswith("mtp.1."))
+    stats = dict(zip(names, got[-1].tolist()))
+    for k, (loss_sum, n) in enumerate(depths, start=1):
+        assert stats[f"mtp{k}_loss_sum"] == pytest.approx(float(loss_sum.detach()), rel=1.5e-5)  # fp32 cross-entropy
+        assert stats[f"mtp{k}_targets"] == float(n)
+    assert mtp.report(stats)["mtp_loss_2"] == pytest.approx(float(depths[1][0].detach() / depths[1][1]), rel=1.5e-5)
+
+
+def test_mtp_is_refused_with_the_chunked_loss_and_negative_sizes():
+    cfg = override(load(ROOT / "configs" / "tiny_deepseek_v3.py"), ["compute.loss_chunk=16"])
+    with pytest.raises(ConfigError, match="head also runs embed, mtp .multi-token prediction.*model.mtp_depth=0"):
+        preflight(cfg, model_for(cfg.model), torch.device("cpu"))
+    with pytest.raises(ConfigError, match="mtp_depth=-1"):
+        dataclasses.replace(cfg.model, mtp_depth=-1).validate()

@@ -61,7 +61,7 @@ def test_by_owner_buckets_hand_each_matrix_whole_to_one_rank():
 def _plan(mesh: str, zero: int = 1, flat: bool = True):
     cfg = tiny_config()
     return plan_from(gpt.param_specs(cfg.model), ParallelConfig(mesh=mesh, zero=zero, distributed_optimizer=flat),
-                     gpt)
+                     gpt.FAMILY)
 
 
 def test_any_data_size_shards_the_optimizer_state():
@@ -83,7 +83,8 @@ def test_megatron_flag_turns_it_on():
     argv = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--mesh", "dp=3", "--zero", "1",
             "--use-distributed-optimizer"]
     cfg = config_from_args(parse_args(argv))
-    assert cfg.parallel.distributed_optimizer and plan_from(gpt.param_specs(cfg.model), cfg.parallel, gpt).strategy.flat
+    plan = plan_from(gpt.param_specs(cfg.model), cfg.parallel, gpt.FAMILY)
+    assert cfg.parallel.distributed_optimizer and plan.strategy.flat
 
 
 @pytest.mark.parametrize("zero,mesh,match", [(0, "dp=2", "use --zero 1 or 2"), (3, "dp=2", "ZeRO-3"),

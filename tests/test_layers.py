@@ -20,7 +20,7 @@ LAYERS = {
                        "ops.kernels.triton_cross_entropy ops.rope ops.attention_blocks ops.matmul ops.fp8 ops.layers "
                        "ops.losses "
                        "ops.objectives ops.recompute ops.counter_random ops.init ops.routing ops.experts ops.aux_loss "
-                       "ops.moe ops.tied_embedding_grad ops.phases",
+                       "ops.moe ops.mtp ops.tied_embedding_grad ops.phases",
     "models": "models models.family models.bert models.gpt models.llama models.mixtral models.t5 models.pieces "
               "models.registry models.census models.checks models.classifier models.weight_uses models.deepseek_v3",
     "data": "data data.batches data.blend data.classification data.corpus data.gpt_dataset data.indexed data.mlm "

@@ -31,7 +31,7 @@ MICRO2 = ("train.micro_batch_size=2",)  # 4 microbatches of 2 per step on one da
 # -- stage splits (no processes) --------------------------------------------------------
 def test_balanced_split_counts_the_head():
     cfg = gpt.Config()  # GPT-2 124M: the tied head projects onto 50,257 tokens
-    plan = plan_from(gpt.param_specs(cfg), ParallelConfig(mesh="pp=4"), gpt)
+    plan = plan_from(gpt.param_specs(cfg), ParallelConfig(mesh="pp=4"), gpt.FAMILY)
     pipe = plan.pipeline
     head = (50257 * 768 + 2 * 768) / 7087872  # tied projection + final norm, in blocks (~5.4)
     assert [len(s.blocks) for s in pipe.stages] == [3, 4, 4, 1]  # the last stage also carries the head
@@ -71,7 +71,7 @@ def test_impossible_splits_and_schedules_are_clear_errors():
         check_microbatches("interleaved-1f1b", 9, 4, 2)
     check_microbatches("gpipe", 1, 4, 1)  # GPipe takes any count
     with pytest.raises(ConfigError, match="gradients sharded over the data axes .* Use --zero 1"):
-        plan_from(gpt.param_specs(gpt.Config(n_layers=4)), ParallelConfig(mesh="dp=2,pp=2", rules="zero2"), gpt)
+        plan_from(gpt.param_specs(gpt.Config(n_layers=4)), ParallelConfig(mesh="dp=2,pp=2", rules="zero2"), gpt.FAMILY)
 
 
 def test_explain_shows_the_stage_map(capsys):

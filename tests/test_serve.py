@@ -49,7 +49,8 @@ def model():
 @pytest.fixture(scope="module")
 def server(model):
     cfg, params = model
-    srv = serve(partial(generate_cached, gpt.FAMILY, params, cfg), ByteTokenizer(), "127.0.0.1", 0, max_prompt_tokens=60,
+    srv = serve(partial(generate_cached, gpt.FAMILY, params, cfg), ByteTokenizer(), "127.0.0.1", 0,
+                max_prompt_tokens=60,
                 max_new_tokens_limit=16, max_context=cfg.max_seq_len, max_body_bytes=4096, model_name="tiny-gpt")
     yield srv
     srv.stop()
@@ -278,7 +279,8 @@ def test_a_stopped_server_refuses_connections():
 @pytest.fixture(scope="module")
 def scoring_server(model):
     cfg, params = model
-    srv = serve(partial(generate_cached, gpt.FAMILY, params, cfg), ByteTokenizer(), "127.0.0.1", 0, max_prompt_tokens=60,
+    srv = serve(partial(generate_cached, gpt.FAMILY, params, cfg), ByteTokenizer(), "127.0.0.1", 0,
+                max_prompt_tokens=60,
                 max_new_tokens_limit=16, max_context=cfg.max_seq_len, model_name="tiny-gpt",
                 score_fn=partial(token_scores, LocalDecoder(gpt.FAMILY, params, cfg), cfg))
     yield srv

@@ -25,7 +25,7 @@ def specs(**kw):
 @pytest.fixture(scope="module")
 def plan64():
     """64 ranks: pp=2 x dp=8 x tp=4, ZeRO 1 so optimizer state differs from the parameters."""
-    return plan_from(specs(n_layers=4), ParallelConfig(mesh="8x4x2", zero=1), gpt)
+    return plan_from(specs(n_layers=4), ParallelConfig(mesh="8x4x2", zero=1), gpt.FAMILY)
 
 
 def check_partition(blocks, shape, mesh, placements):

@@ -113,7 +113,8 @@ class MeshDecoder:
         self.stages = list(pipe.stages)
         self.me = parallel.groups.coords["pp"]
         self.group = parallel.groups.group(("pp",)).get_group()
-        self.stage_params = [s.params_of(self.params, model.EMBED_PARAMS, model.HEAD_PARAMS) if s.rank == self.me
+        head_groups = model.head_groups(self.params)
+        self.stage_params = [s.params_of(self.params, model.EMBED_PARAMS, head_groups) if s.rank == self.me
                              else None for s in self.stages]
 
     def _global(self, pp_rank: int) -> int:

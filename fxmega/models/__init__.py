@@ -77,7 +77,8 @@ def lm_loss_sum(params: dict, batch: dict[str, torch.Tensor], cfg: object, call:
         call, layouts = recompute.plain_call, params
     x = run_pieces(model, params, layouts, batch["inputs"], cfg, call, head=False, inputs=embed_inputs(model, batch),
                    valid=batch.get("attention_mask"), positions=batch.get("positions"), compute=compute)
-    head_params, head_layouts = top(model.HEAD_PARAMS, params), top(model.HEAD_PARAMS, layouts)
+    groups = model.head_groups(params)
+    head_params, head_layouts = top(groups, params), top(groups, layouts)
     if compute is not None and compute.loss_chunk:
         return call(head_loss_sum(model), head_params, head_layouts, x, cfg, batch["targets"],
                     batch.get("loss_mask"), compute.loss_chunk)

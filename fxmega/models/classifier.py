@@ -22,7 +22,7 @@ import torch
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.core.spec import ZEROS, ParamSpec, normal
-from fxmega.models.family import ModelConfig, ModelFamily
+from fxmega.models.family import ModelConfig, ModelFamily, no_stats
 from fxmega.ops import layers, objectives
 from fxmega.sharding import layout
 
@@ -76,4 +76,6 @@ def classifier(family: ModelFamily, cfg: ModelConfig, n_classes: int) -> ModelFa
         # a classifier is not a language model: no chunked vocabulary loss, no decoding, no pooling of its own
         final_hidden=None, output_weight=None, kv_cache_shape=None, decode_write=None, POOL_PARAMS=(), pool=None,
         # the head finds each row's last real token in order: not on out-of-order cp chunks
-        CONTEXT_PARALLEL=False, ROUTER_METER=False)
+        CONTEXT_PARALLEL=False,
+        # its head is its own (no multi-token prediction); it reports no statistics
+        head_groups_of=None, meter_stats=no_stats)

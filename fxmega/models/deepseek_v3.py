@@ -21,6 +21,19 @@ for 7168) for its heads rather than sending them, Megatron-Core's choice too.
 limited top-k, the selection bias updated from the load outside the gradient, shared
 experts, ``route_scale``), the first ``moe.first_dense_layers`` blocks a dense SwiGLU of
 ``d_ff`` (``fxmega.models.mixtral.feed_forward``).
+
+**Multi-token prediction** (``mtp_depth`` modules; DeepSeek-V3 trains with one). Module ``k``
+normalises the embedding of token ``t[i+k]`` and the previous depth's hidden state (the last
+block's output for ``k = 1``), each with its own RMSNorm, projects the two side by side
+(``eh_proj [2 d, d]``, the embedding first, as the released checkpoint's ``eh_proj`` and
+Megatron-Core order them; the report writes the pair the other way round) and runs one
+block (MLA and experts, as the last main block) and its own final RMSNorm, then the shared
+output head; the embedding and head are the main model's. It lives in the head piece, so on a
+pipeline it is on the last stage, which reads the embedding as a tied one. What each depth
+predicts, how its loss is weighed (``mtp_loss_weight / mtp_depth`` times its summed loss,
+with the main loss's divisor) and reported: ``fxmega.ops.mtp``. The losses join the gradient
+only in a training step (``fxmega.ops.aux_loss.attach``): evaluation reports the main loss
+and generation never runs the modules.
 """
 
 from __future__ import annotations
@@ -43,12 +56,11 @@ from fxmega.models.llama import (  # noqa: F401  (the family's pieces, shared wi
     POOL_PARAMS,
     embed,
     final_hidden,
-    head,
     objective,
     output_weight,
     pool,
 )
-from fxmega.ops import layers
+from fxmega.ops import aux_loss, layers, mtp
 from fxmega.ops.moe import MoE
 from fxmega.ops.rope import Rope, RopeScaling, apply_rope
 from fxmega.sharding.layout import shard
@@ -80,6 +92,8 @@ class Config:
     mscale_all_dim: float = 0.0  # YaRN's mscale on the softmax scale, squared (DeepSeek-V3: 1.0); 0: none
     norm_eps: float = 1e-6
     init_std: float = 0.006
+    mtp_depth: int = 0  # multi-token prediction modules (DeepSeek-V3 trains with 1); 0: none
+    mtp_loss_weight: float = 0.3  # lambda: the report's 0.3 for the first 10T tokens, 0.1 after
     moe: MoE = field(default_factory=lambda: MoE(
         n_experts=256, top_k=8, d_expert=2048, n_shared_experts=1, first_dense_layers=3, score="sigmoid",
         n_groups=8, topk_groups=4, route_scale=2.5, expert_bias=True))
@@ -117,6 +131,9 @@ class Config:
         if self.qk_rope_head_dim % 2:
             raise ConfigError(f"{prefix}.qk_rope_head_dim={self.qk_rope_head_dim} is odd: rotary embeddings rotate "
                               f"pairs of dims")
+        if self.mtp_depth < 0 or self.mtp_loss_weight < 0:
+            raise ConfigError(f"{prefix}.mtp_depth={self.mtp_depth}, {prefix}.mtp_loss_weight={self.mtp_loss_weight}: "
+                              f"neither may be negative (mtp_depth=0: no multi-token prediction)")
         if self.mscale_all_dim < 0:
             raise ConfigError(f"{prefix}.mscale_all_dim={self.mscale_all_dim} must not be negative")
         if not self.moe.enabled:
@@ -146,13 +163,43 @@ def attention_specs(cfg: Config) -> dict:
     }
 
 
-def param_specs(cfg: Config) -> dict:
-    def block(i: int) -> dict:
-        d = cfg.d_model
-        return {"attn_norm": {"scale": ParamSpec((d,), ("embed",), ONES)}, "attn": attention_specs(cfg),
-                "mlp_norm": {"scale": ParamSpec((d,), ("embed",), ONES)}, **mixtral.feed_forward_specs(cfg, i)}
+def block_specs(cfg: Config, index: int) -> dict:
+    """Block ``index``'s parameters: the norms, MLA, and experts or the dense MLP."""
+    d = cfg.d_model
+    return {"attn_norm": {"scale": ParamSpec((d,), ("embed",), ONES)}, "attn": attention_specs(cfg),
+            "mlp_norm": {"scale": ParamSpec((d,), ("embed",), ONES)}, **mixtral.feed_forward_specs(cfg, index)}
 
-    return llama.specs_with_blocks(cfg, [block(i) for i in range(cfg.n_layers)])
+
+def mtp_specs(cfg: Config, k: int) -> dict:
+    """Multi-token prediction module ``k``'s parameters (1-based): the two input norms, the
+    projection of their concatenation (replicated over tp: 2 d x d, small beside a block; its
+    input dim names ``mtp_in``, which no rule splits), a block (with experts, as the blocks
+    after the first dense ones) and its final norm."""
+    d = cfg.d_model
+    weight, _ = llama.inits(cfg)
+    return {"enorm": {"scale": ParamSpec((d,), ("embed",), ONES)},
+            "hnorm": {"scale": ParamSpec((d,), ("embed",), ONES)},
+            "eh_proj": ParamSpec((2 * d, d), ("mtp_in", "embed"), weight),
+            "block": block_specs(cfg, cfg.n_layers + k - 1),
+            "norm": {"scale": ParamSpec((d,), ("embed",), ONES)}}
+
+
+def param_specs(cfg: Config) -> dict:
+    specs = llama.specs_with_blocks(cfg, [block_specs(cfg, i) for i in range(cfg.n_layers)])
+    if cfg.mtp_depth:
+        specs["mtp"] = [mtp_specs(cfg, k) for k in range(1, cfg.mtp_depth + 1)]
+    return specs
+
+
+# The head reads the batch's targets (and masks) for multi-token prediction, and with it
+# the embedding and the modules; a model without modules reads what Llama's head reads.
+HEAD_INPUTS = ("targets", "loss_mask", "attention_mask")
+MTP_GROUPS = ("embed", "mtp")
+
+
+def head_groups(params: dict) -> tuple[str, ...]:
+    """The head's groups: Llama's, and the embedding and the MTP modules where there are some."""
+    return HEAD_PARAMS + MTP_GROUPS if "mtp" in params else HEAD_PARAMS
 
 
 def attend_inputs(cfg: Config, seq_len: int, device: torch.device, valid: torch.Tensor | None = None,
@@ -209,6 +256,44 @@ def block(p: dict, x: torch.Tensor, cfg: Config, valid: torch.Tensor | None = No
     h = shard(layers.rms_norm(x, p["mlp_norm"]["scale"], cfg.norm_eps), "batch", "ctx", "embed")
     x = x + shard(mixtral.feed_forward(p, h, cfg, valid), "batch", "seq", "embed")
     return x if cache is None else (x, cache)
+
+
+def head(params: dict, x: torch.Tensor, cfg: Config, targets: torch.Tensor | None = None,
+         loss_mask: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The main logits (final RMSNorm, output projection). In a training step, given the
+    batch's ``targets``, the multi-token prediction losses ride on them into the gradient
+    (``mtp_loss_sums``; weighed as ``fxmega.ops.mtp`` says) and each depth's summed loss and
+    target count reach the step's meter."""
+    logits = llama.head(params, x, cfg)
+    if not cfg.mtp_depth or targets is None or not aux_loss.in_step():
+        return logits
+    sums = mtp_loss_sums(params, x, cfg, targets, loss_mask, valid)
+    logits = aux_loss.attach(logits, sum(loss for loss, _ in sums) * (cfg.mtp_loss_weight / cfg.mtp_depth))
+    if aux_loss.measuring():
+        stats = torch.stack([v.detach().float() for loss, n in sums for v in (loss, n)])
+        logits = aux_loss.measure(logits, stats, mtp.stat_names(cfg.mtp_depth))
+    return logits
+
+
+def mtp_loss_sums(params: dict, x: torch.Tensor, cfg: Config, targets: torch.Tensor,
+                  loss_mask: torch.Tensor | None = None,
+                  valid: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per MTP depth, its summed cross-entropy (fp32, replicated over tp) and its number of
+    targets, from the last block's output ``x [batch, seq, embed]`` and the batch's
+    ``targets`` and ``loss_mask`` (``valid``: the batch's attention mask, for the modules'
+    blocks)."""
+    attend = attend_inputs(cfg, x.shape[1], x.device, valid)
+    h, out = x, []
+    for k, p in enumerate(params["mtp"], start=1):
+        e = layers.rms_norm(embed(params, mtp.shift(targets, k - 1), cfg), p["enorm"]["scale"], cfg.norm_eps)
+        both = torch.cat([e, layers.rms_norm(h, p["hnorm"]["scale"], cfg.norm_eps)], dim=-1)
+        h = block(p["block"], shard(layers.linear(both, p["eh_proj"]), "batch", "seq", "embed"), cfg, valid, attend)
+        normed = shard(layers.rms_norm(h, p["norm"]["scale"], cfg.norm_eps), "batch", "ctx", "embed")
+        logits = shard(layers.linear(normed, output_weight(params), role="head"), "batch", "ctx", "vocab")
+        mask = mtp.depth_mask(targets, loss_mask, k)
+        loss = layers.cross_entropy_sum(logits, mtp.shift(targets, k), mask, cfg.vocab_size)
+        out.append((shard(loss), shard(mask.sum())))
+    return out
 
 
 # ---- decoding over the latent cache ------------------------------------------------------------
@@ -285,15 +370,22 @@ def check_mesh(cfg: Config, mesh: MeshSpec) -> None:
 
 
 def active_params(cfg: Config) -> int:
-    """Parameters one token passes through: all but the routed experts it was not sent to."""
-    return sum(s.numel for s in tree.leaves(param_specs(cfg))) - mixtral.idle_expert_params(cfg)
+    """Parameters one token passes through: all but the routed experts it was not sent to
+    (the MTP modules' blocks have experts too)."""
+    return sum(s.numel for s in tree.leaves(param_specs(cfg))) - mixtral.idle_expert_params(cfg, cfg.mtp_depth)
+
+
+def mtp_params(cfg: Config) -> int:
+    """The MTP modules' parameters (the embedding and head they share are the main model's)."""
+    return sum(s.numel for s in tree.leaves([mtp_specs(cfg, k) for k in range(1, cfg.mtp_depth + 1)]))
 
 
 FAMILY = ModelFamily(
     name="deepseek_v3", Config=Config, param_specs=param_specs, embed=embed, block=block, head=head,
     objective=objective, EMBED_PARAMS=EMBED_PARAMS, HEAD_PARAMS=HEAD_PARAMS, EMBED_INPUTS=EMBED_INPUTS,
     attend_inputs=attend_inputs, final_hidden=final_hidden, output_weight=output_weight, POOL_PARAMS=POOL_PARAMS,
-    pool=pool, active_params=active_params, check_mesh=check_mesh, ROUTER_METER=True, kv_cache_shape=kv_cache_shape,
-    v_cache_shape=rope_cache_shape, decode_write=decode_write,
+    pool=pool, active_params=active_params, check_mesh=check_mesh, kv_cache_shape=kv_cache_shape,
+    v_cache_shape=rope_cache_shape, decode_write=decode_write, HEAD_INPUTS=HEAD_INPUTS, head_groups_of=head_groups,
+    meter_stats=lambda cfg: aux_loss.ROUTER_STATS + mtp.stat_names(cfg.mtp_depth),
     experts=lambda cfg: cfg.moe,
 )

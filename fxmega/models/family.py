@@ -59,6 +59,11 @@ def every_head_has_kv(cfg: ModelConfig) -> int:
     return cfg.n_heads
 
 
+def no_stats(cfg: ModelConfig) -> tuple[str, ...]:
+    """A family whose layers report nothing through the step's meter."""
+    return ()
+
+
 def keeps(saved: tuple[Saved, ...]) -> BlockSaved:
     """``block_saved`` for a family whose every block keeps the same tensors."""
     return lambda cfg, index, seq_len, ep: saved
@@ -72,7 +77,8 @@ class ModelFamily:
     ``[batch, seq, d_model]``; ``block(params, x, cfg, valid=None[, attend])`` is one layer on
     it; ``head(params, x, cfg, *HEAD_INPUTS)`` turns it into the objective's outputs.
     ``EMBED_PARAMS`` and ``HEAD_PARAMS`` are the top-level parameter groups the first and the
-    last read (a tied embedding is in both), ``params["blocks"]`` the list of layers.
+    last read (a tied embedding is in both; ``head_groups`` where the config adds to them),
+    ``params["blocks"]`` the list of layers.
     ``objective(cfg)`` is what training minimises on the head's outputs."""
 
     name: str
@@ -127,10 +133,19 @@ class ModelFamily:
     kv_heads: Callable[[Any], int] = every_head_has_kv
     # meshes the family refuses before anything is built (experts not split over tp, ...)
     check_mesh: CheckMesh = no_mesh_limits
-    # its MoE layers report router statistics to a step that meters them (``fxmega.ops.aux_loss``)
-    ROUTER_METER: bool = False
+    # what its layers report to a step that meters them, in order (``fxmega.ops.aux_loss.measure``):
+    # MoE routers' ROUTER_STATS, multi-token prediction's per-depth losses (``fxmega.ops.mtp``)
+    meter_stats: Callable[[Any], tuple[str, ...]] = no_stats
+    # the head's groups where they depend on which groups the parameter tree (specs or tensors)
+    # has: DeepSeek-V3's multi-token prediction reads the embedding and its modules too
+    head_groups_of: Callable[[dict], tuple[str, ...]] | None = None
     # validation's objective when it reports more than the loss (a classifier's accuracy)
     eval_objective: Callable[[Any], Objective] | None = None
+
+    def head_groups(self, params: dict) -> tuple[str, ...]:
+        """The top-level groups the head reads in a model whose parameters are ``params``
+        (specs or tensors: a tree with the same top-level groups)."""
+        return self.HEAD_PARAMS if self.head_groups_of is None else self.head_groups_of(params)
 
     @property
     def can_decode(self) -> bool:

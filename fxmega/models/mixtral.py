@@ -35,7 +35,7 @@ from fxmega.models.llama import (  # noqa: F401  (the family's pieces, shared wi
     output_weight,
     pool,
 )
-from fxmega.ops import layers, moe
+from fxmega.ops import aux_loss, layers, moe
 from fxmega.ops.moe import MoE
 from fxmega.sharding.mesh import MeshSpec
 
@@ -53,9 +53,6 @@ class Config(llama.Config):
             raise ConfigError(f"{prefix}.moe.first_dense_layers={self.moe.first_dense_layers} leaves none of the "
                               f"{self.n_layers} layers with experts")
 
-
-# Its MoE layers report their routers' statistics to a step that meters (fxmega.ops.aux_loss).
-ROUTER_METER = True
 
 # Each sequence's balancing terms need the whole sequence on one rank: not split over cp yet.
 CONTEXT_PARALLEL = False
@@ -176,11 +173,12 @@ def active_params(cfg: Config) -> int:
     return sum(s.numel for s in tree.leaves(param_specs(cfg))) - idle_expert_params(cfg)
 
 
-def idle_expert_params(cfg: Config) -> int:
-    """Routed-expert parameters a token skips: in every MoE block, the three matrices of each
-    expert it was not sent to (shared by the families that use this feed-forward)."""
+def idle_expert_params(cfg: Config, extra_moe_blocks: int = 0) -> int:
+    """Routed-expert parameters a token skips: in every MoE block (the model's, and
+    ``extra_moe_blocks`` beyond them), the three matrices of each expert it was not sent to
+    (shared by the families that use this feed-forward)."""
     idle = cfg.moe.n_experts - cfg.moe.top_k
-    moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
+    moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers)) + extra_moe_blocks
     return moe_layers * idle * 3 * cfg.d_model * cfg.moe.expert_width(cfg.d_ff)
 
 
@@ -189,6 +187,7 @@ FAMILY = ModelFamily(
     EMBED_PARAMS=EMBED_PARAMS, HEAD_PARAMS=HEAD_PARAMS, EMBED_INPUTS=EMBED_INPUTS, attend_inputs=attend_inputs,
     CONTEXT_PARALLEL=CONTEXT_PARALLEL, block_saved=block_saved, final_hidden=final_hidden,
     output_weight=output_weight, POOL_PARAMS=POOL_PARAMS, pool=pool, kv_cache_shape=kv_cache_shape,
-    decode_write=decode_write, active_params=active_params, check_mesh=check_mesh, ROUTER_METER=ROUTER_METER,
+    decode_write=decode_write, active_params=active_params, check_mesh=check_mesh,
+    meter_stats=lambda cfg: aux_loss.ROUTER_STATS,
     experts=lambda cfg: cfg.moe if cfg.moe.enabled else None, kv_heads=lambda cfg: cfg.kv_heads,
 )

@@ -67,7 +67,8 @@ def run_pieces(model: ModelFamily, params: dict, layouts: dict, x: torch.Tensor,
         p, lay = (p | top(shared, params), lays[i] | top(shared, layouts)) if shared else (p, lays[i])
         x = call(model.block, p, lay, x, cfg, *extra, recompute=mode_for_block(mode, i, first_n))
     if head:
-        x = call(model.head, top(model.HEAD_PARAMS, params), top(model.HEAD_PARAMS, layouts), x, cfg, *head_inputs)
+        groups = model.head_groups(params)
+        x = call(model.head, top(groups, params), top(groups, layouts), x, cfg, *head_inputs)
     return x
 
 
@@ -124,5 +125,5 @@ def decode_pieces(model: ModelFamily, params: dict, x: torch.Tensor, cfg: ModelC
     for i, p in blocks_of(params):
         x, new[i] = model.block(p, x, cfg, cache=cache[i], write=write)
     if head:
-        x = model.head(top(model.HEAD_PARAMS, params), x[:, -1:] if last_only else x, cfg)
+        x = model.head(top(model.head_groups(params), params), x[:, -1:] if last_only else x, cfg)
     return x, new

@@ -18,9 +18,11 @@ generation) nothing is attached.
 The scale is a tensor read from a module-level slot: ``torch.compile`` lifts it as a graph
 input, so a new value each step does not recompile.
 
-Router statistics leave the step the same way, backwards: ``measure(x, stats)`` hands a
-layer's ``ROUTER_STATS`` to the backward as the gradient of the step's *meter* (a zero
-vector the step differentiates besides the parameters, set with ``metering``). Autograd sums
+Statistics leave the step the same way, backwards: ``measure(x, stats, names)`` hands a
+layer's values (a router's ``ROUTER_STATS``, multi-token prediction's per-depth losses) to
+the backward as their part of the gradient of the step's *meter* (a zero vector the step
+differentiates besides the parameters, one entry per name the family's ``meter_stats``
+lists, set with ``metering``). Autograd sums
 them over layers and the step over micro batches and data ranks, on every path that
 differentiates the step's loss: recomputed blocks, ZeRO-3's gathered pieces, tp. A side
 channel (a list the layer appends to) cannot: dynamo refuses outer mutations inside a
@@ -39,6 +41,7 @@ from fxmega.sharding.layout import shard
 
 _SCALE: list[torch.Tensor | None] = [None]
 _METER: list[torch.Tensor | None] = [None]
+_METER_NAMES: list[tuple[str, ...]] = [()]  # what each entry of the meter is
 
 # What one MoE layer reports per micro batch (sums, so that layers, micro batches and data
 # ranks add up): its per-sequence balancing loss and z-loss summed over sequences, the
@@ -59,27 +62,32 @@ def gradient_scale(scale: torch.Tensor) -> Iterator[None]:
 
 
 @contextmanager
-def metering(meter: torch.Tensor | None) -> Iterator[None]:
-    """Inside, ``measure`` hands statistics to ``meter`` (a leaf that requires grad) as its
-    gradient; None: nothing is measured."""
-    previous = _METER[0]
-    _METER[0] = meter
+def metering(meter: torch.Tensor | None, names: tuple[str, ...] = ()) -> Iterator[None]:
+    """Inside, ``measure`` hands statistics to ``meter`` (a leaf that requires grad, one
+    entry per name in ``names``) as its gradient; None: nothing is measured."""
+    if meter is not None and meter.shape != (len(names),):
+        raise ValueError(f"a meter of shape {tuple(meter.shape)} for the {len(names)} statistics {names}")
+    previous = _METER[0], _METER_NAMES[0]
+    _METER[0], _METER_NAMES[0] = meter, names
     try:
         yield
     finally:
-        _METER[0] = previous
+        _METER[0], _METER_NAMES[0] = previous
 
 
-def step_state() -> tuple[torch.Tensor | None, torch.Tensor | None]:
+StepState = tuple[torch.Tensor | None, torch.Tensor | None, tuple[str, ...]]
+
+
+def step_state() -> StepState:
     """The scale and meter set now (``gradient_scale``, ``metering``), for ``restored``."""
-    return _SCALE[0], _METER[0]
+    return _SCALE[0], _METER[0], _METER_NAMES[0]
 
 
 @contextmanager
-def restored(state: tuple[torch.Tensor | None, torch.Tensor | None]) -> Iterator[None]:
+def restored(state: StepState) -> Iterator[None]:
     """Inside, the scale and meter are ``state``'s (an eager recompute in the backward runs
     the forward again after the step has left its ``gradient_scale`` and ``metering``)."""
-    with gradient_scale(state[0]), metering(state[1]):
+    with gradient_scale(state[0]), metering(state[1], state[2]):
         yield
 
 
@@ -94,14 +102,19 @@ def measuring() -> bool:
     return _METER[0] is not None and torch.is_grad_enabled()
 
 
-def measure(x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
-    """``x``, carrying ``stats`` (one value per ``ROUTER_STATS`` name) into the backward as
-    the meter's gradient when a step meters."""
+def measure(x: torch.Tensor, stats: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor:
+    """``x``, carrying ``stats`` (one value per name in ``names``, a run of the meter's
+    names) into the backward as their entries of the meter's gradient when a step meters."""
     if not measuring():
         return x
-    meter = _METER[0]
-    # shard: the meter replicated over tp, like the statistics of the tp-replicated routing
-    return _GradientInto.apply(x, shard(meter, None), stats.to(meter.dtype))
+    meter, layout = _METER[0], _METER_NAMES[0]
+    start = layout.index(names[0]) if names and names[0] in layout else -1
+    if start < 0 or layout[start:start + len(names)] != names:
+        raise ValueError(f"statistics {names} are not a run of the step's meter {layout}: the family's "
+                         f"meter_stats must list them")
+    value = torch.nn.functional.pad(stats.to(meter.dtype), (start, len(layout) - start - len(names)))
+    # shard: the meter replicated over tp, like the statistics of tp-replicated routing and losses
+    return _GradientInto.apply(x, shard(meter, None), value)
 
 
 def router_report(stats: Sequence[float]) -> dict[str, float]:

@@ -40,7 +40,7 @@ def plan_from(specs: tree.Tree, p: ParallelConfig, model: ModelFamily | None = N
         if model is None:
             raise ConfigError("a mesh with pp needs the model module to cut stages")
         pipeline = pipeline_from(specs, mesh.size("pp"), p, model)
-        groups = (model.EMBED_PARAMS, model.HEAD_PARAMS)
+        groups = (model.EMBED_PARAMS, model.head_groups(specs))
     return make_plan(specs, mesh, strategy_from(p), pipeline, groups, opt_state_bytes)
 
 
@@ -54,7 +54,7 @@ def pipeline_from(specs: tree.Tree, pp: int, p: ParallelConfig, model: ModelFami
     """Stages for ``pp`` ranks, costed in blocks: a block by its parameter count, the head by
     its own parameters (the vocabulary projection, tied or not), the embedding lookup as 0."""
     block = sum(s.numel for s in tree.leaves(specs["blocks"][0]))
-    head = sum(s.numel for path, s in tree.items({k: specs[k] for k in model.HEAD_PARAMS})
+    head = sum(s.numel for path, s in tree.items({k: specs[k] for k in model.head_groups(specs)})
                if "vocab" in s.axes or path.split(".")[0] not in model.EMBED_PARAMS)
     return make_pipeline(len(specs["blocks"]), pp, p.virtual_stages, p.pipeline_schedule, p.pipeline_layout,
                          0.0, head / block)

@@ -239,7 +239,7 @@ def _tp_traffic(plan: ShardingPlan, work: Workload, shapes: dict[int, BlockShape
 def model_groups(model_cfg: ModelConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The model's embedding and head parameter groups (ZeRO-3 gathers each as one piece)."""
     model = model_for(model_cfg)
-    return model.EMBED_PARAMS, model.HEAD_PARAMS
+    return model.EMBED_PARAMS, model.head_groups(model.param_specs(model_cfg))
 
 
 def embed_backward_reads_params(model_cfg: ModelConfig) -> bool:

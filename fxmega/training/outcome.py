@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 from fxmega.core.errors import NonFiniteError
-from fxmega.ops.aux_loss import router_report
+from fxmega.ops import mtp
+from fxmega.ops.aux_loss import ROUTER_STATS, router_report
 from fxmega.training.state import TrainState
 
 
@@ -38,7 +39,7 @@ class Pending:
 
 def read(pending: list[Pending]) -> list[list[float]]:
     """Per step: loss, grad norm, finite (0/1), the loss scale before and after (0 without
-    fp16), then the router statistics if any — for all ``pending`` in one device-to-host
+    fp16), then the layers' statistics if any (``meter_names``) — for all ``pending`` in one device-to-host
     copy (fp32: every value is an fp32 tensor, a flag or a power of two)."""
     rows = []
     for p in pending:
@@ -47,8 +48,16 @@ def read(pending: list[Pending]) -> list[list[float]]:
         scales = [s if s is not None else none for s in (p.loss_scale, p.scale_after)]
         head = torch.stack([m["loss"].float(), m["grad_norm"].float(), m["finite"].float(),
                             *(s.float() for s in scales)])
-        rows.append(torch.cat([head, m["router"].float()]) if "router" in m else head)
+        rows.append(torch.cat([head, m["meter"].float()]) if "meter" in m else head)
     return torch.stack(rows).tolist() if rows else []  # the one read
+
+
+def meter_report(names: tuple[str, ...], values: list[float]) -> dict[str, float]:
+    """The numbers a log shows from a step's summed meter: the routers' (``router_report``)
+    and multi-token prediction's per-depth losses (``mtp.report``)."""
+    stats = dict(zip(names, values))
+    out = router_report([stats[k] for k in ROUTER_STATS]) if ROUTER_STATS[0] in stats else {}
+    return out | mtp.report(stats)
 
 
 def nonfinite_report(metrics: dict[str, torch.Tensor], step: int, local_paths: list[str], rank: int) -> dict:
@@ -59,17 +68,19 @@ def nonfinite_report(metrics: dict[str, torch.Tensor], step: int, local_paths: l
 
 
 def settle(state: TrainState, pending: list[Pending], *, policy: str, diagnostics_dir: str,
-           local_paths: list[str], rank: int, say: Callable[[str], None]) -> list[dict[str, float]]:
+           local_paths: list[str], rank: int, say: Callable[[str], None],
+           meter_names: tuple[str, ...] = ()) -> list[dict[str, float]]:
     """The outcomes of ``pending`` steps, in order: ``loss``, ``lr``, ``grad_norm`` (and
-    ``loss_scale``, ``skipped``, router statistics); ``state.skipped_steps`` counts the
+    ``loss_scale``, ``skipped``, what the layers measured: router statistics, MTP's depth
+    losses, named by ``meter_names``); ``state.skipped_steps`` counts the
     dropped ones. Under ``policy="stop"`` the first non-finite step raises, naming it.
     ``say`` prints on the ranks that speak (rank 0)."""
     outcomes = []
     for p, values in zip(pending, read(pending)):
         loss, grad_norm, finite, scale, scale_after = values[:5]
         out = {"loss": loss, "lr": p.lr, "grad_norm": grad_norm}
-        if "router" in p.metrics:  # a mixture of experts: its routers' statistics
-            out |= router_report(values[5:])
+        if "meter" in p.metrics:  # what the layers measured (aux_loss.measure)
+            out |= meter_report(meter_names, values[5:])
         outcomes.append(out)
         if state.scaler is not None:
             out["loss_scale"] = scale

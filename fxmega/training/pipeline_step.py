@@ -51,7 +51,7 @@ RESIDUAL = ("batch", "seq", "embed")
 
 def _stage_tree(local: dict, stage: Stage, model: ModelFamily) -> dict:
     """The part of this rank's parameter tree that ``stage`` reads (same tensors)."""
-    return stage.params_of(local, model.EMBED_PARAMS, model.HEAD_PARAMS)
+    return stage.params_of(local, model.EMBED_PARAMS, model.head_groups(local))
 
 
 class _StageModule(nn.Module):
@@ -76,7 +76,7 @@ class PipelineStep:
                  optimizer: Optimizer,
                  clip_grad: float, n_micro: int, compile: bool, device: torch.device,
                  backend: str = "inductor", options: dict | None = None, sign_rates: tuple[float, ...] = (),
-                 meter_size: int = 0) -> None:
+                 meter_names: tuple[str, ...] = ()) -> None:
         plan, pipe = par.plan, par.plan.pipeline
         check_microbatches(pipe.schedule, n_micro, pipe.pp, pipe.virtual)
         self.par, self.cfg, self.model, self.objective, self.pipe = par, cfg, model, objective, pipe
@@ -90,10 +90,11 @@ class PipelineStep:
         self.compiled_stages = compile and pipe.schedule not in SPLIT_BACKWARD
         # the layers' statistics (aux_loss.measure) reach a meter through the stages' backward,
         # which accumulates into every leaf; a split backward differentiates named weights only
-        self.meter_size = meter_size if pipe.schedule not in SPLIT_BACKWARD else 0
-        if meter_size and not self.meter_size and par.rank == 0:
+        self.meter_names = meter_names if pipe.schedule not in SPLIT_BACKWARD else ()
+        if meter_names and not self.meter_names and par.rank == 0:
             log.info(f"note: the {pipe.schedule} schedule's split backward hands gradients to named weights only: "
-                     f"the routers' statistics are not collected (the balancing terms still train)")
+                     f"the layers' statistics ({', '.join(meter_names[:3])}, ...) are not collected (the losses "
+                     f"they come with still train)")
         if compile and not self.compiled_stages and par.rank == 0:  # said, not silently done
             log.info(f"note: the {pipe.schedule} schedule splits each backward into input and weight gradients by "
                      f"walking the stage's autograd graph, which a compiled stage hides: its stages run eagerly; "
@@ -237,8 +238,9 @@ class PipelineStep:
         unscale = None if loss_scale is None else 1.0 / scale
         for p in self.flat:
             p.grad = None
-        meter = torch.zeros(self.meter_size, device=self.device, requires_grad=True) if self.meter_size else None
-        with aux_loss.gradient_scale(self._inv_tokens), aux_loss.metering(meter):  # MoE terms weigh like the loss
+        n = len(self.meter_names)
+        meter = torch.zeros(n, device=self.device, requires_grad=True) if n else None
+        with aux_loss.gradient_scale(self._inv_tokens), aux_loss.metering(meter, self.meter_names):
             loss = self._run_schedule(micro_batches, train=True) / scale
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.flat]
         for p in self.flat:
@@ -248,7 +250,7 @@ class PipelineStep:
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "nonfinite_grads": bad}
         if meter is not None:  # each stage's layers, every micro batch; summed over stages and data ranks
             stats = meter.grad if meter.grad is not None else torch.zeros_like(meter)
-            metrics["router"] = funcol.all_reduce(stats.detach(), "sum", self._loss_group)
+            metrics["meter"] = funcol.all_reduce(stats.detach(), "sum", self._loss_group)
         return params, opt_state, metrics
 
     def eval_sum(self, micro_batches: list[dict[str, torch.Tensor]],

@@ -25,7 +25,7 @@ from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq,
 from fxmega.models import loss_by_pieces, model_for
 from fxmega.models.family import ModelFamily
 from fxmega.models.weight_uses import fp8_gathered
-from fxmega.ops import aux_loss, fp8, kernels, matmul, recompute, tied_embedding_grad
+from fxmega.ops import fp8, kernels, matmul, recompute, tied_embedding_grad
 from fxmega.ops.init import init_params
 from fxmega.ops.objectives import Objective
 from fxmega.optim.optimizer import init_state, optimizer_for
@@ -130,20 +130,20 @@ class Run:
             options["triton.cudagraphs"] = True
             for tensor in [*tree.leaves(params), *tree.leaves(opt_state)]:
                 torch._dynamo.mark_static_address(tensor)
-        # a mixture of experts reports its routers' statistics through the step (aux_loss.measure)
-        meter_size = len(aux_loss.ROUTER_STATS) if self.model.ROUTER_METER else 0
+        # what the layers report through the step (aux_loss.measure): routers' statistics, MTP's depth losses
+        self.meter_names = self.model.meter_stats(cfg.model)
         if self.pipelined:
             self.train_step = PipelineStep(parallel, cfg.model, self.model, self.objective,
                                            self.params, roles, optimizer,
                                            cfg.optim.clip_grad, cfg.grad_accum_steps(data_size), t.compile,
                                            self.device, backend=t.compile_backend, options=options,
-                                           sign_rates=sign_rates, meter_size=meter_size)
+                                           sign_rates=sign_rates, meter_names=self.meter_names)
             self.eval_step = None
         else:
             self.loss_sum = loss_sum  # (flat params, batch) -> summed loss: what the steps differentiate
             self.train_step = TrainStep(loss_sum, roles, optimizer, cfg.optim.clip_grad, compile=t.compile,
                                         parallel=parallel, backend=t.compile_backend, options=options,
-                                        sign_rates=sign_rates, meter_size=meter_size,
+                                        sign_rates=sign_rates, meter_names=self.meter_names,
                                         gather_params_first=cfg.parallel.overlap_param_gather)
             self.eval_step = EvalStep(loss_sum, compile=t.compile, backend=t.compile_backend)
         self._local_paths = tree.paths(self.local_specs)  # what a non-finite report names
@@ -216,7 +216,7 @@ class Run:
         in one go; applies the non-finite policy (``train.nonfinite``) to them, in order."""
         t = self.cfg.train
         return settle(self.state, pending, policy=t.nonfinite, diagnostics_dir=t.diagnostics_dir,
-                      local_paths=self._local_paths, rank=self._rank, say=self._say)
+                      local_paths=self._local_paths, rank=self._rank, say=self._say, meter_names=self.meter_names)
 
     def do_step(self) -> dict[str, float]:
         """One optimizer step, waited for: loss, lr and grad norm (a host sync; the training

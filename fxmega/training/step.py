@@ -88,10 +88,10 @@ class TrainStep:
 
     def __init__(self, loss_sum_fn: LossSumFn, roles: list[ParamRole], optimizer: Optimizer, clip_grad: float,
                  compile: bool = True, parallel: Parallel | None = None, backend: str = "inductor",
-                 options: dict | None = None, sign_rates: tuple[float, ...] = (), meter_size: int = 0,
+                 options: dict | None = None, sign_rates: tuple[float, ...] = (), meter_names: tuple[str, ...] = (),
                  gather_params_first: bool = False) -> None:
         self.loss_sum_fn = loss_sum_fn
-        self.meter_size = meter_size  # > 0: the model's layers report statistics (``aux_loss.measure``)
+        self.meter_names = meter_names  # what the model's layers report (``aux_loss.measure``), if anything
         # ZeRO-1/2's all-gather of the updated shards at the start of the next step's first graph
         # (``parallel.overlap_param_gather``) rather than at the end of the update
         self.gather_params_first = gather_params_first
@@ -114,7 +114,7 @@ class TrainStep:
         # The parameters are leaf tensors that require grad, so no requires_grad_() is
         # traced (torch 2.11's dynamo cannot trace it; 2.13's can). So is the meter.
         used = self._gathered(flat_params) if gather else flat_params
-        with aux_loss.gradient_scale(inv_tokens), aux_loss.metering(meter):  # MoE terms weigh like the loss
+        with aux_loss.gradient_scale(inv_tokens), aux_loss.metering(meter, self.meter_names):
             loss_sum = self.loss_sum_fn(used, batch)
         wrt = flat_params if meter is None else [*flat_params, meter]
         with backward_phase():
@@ -196,8 +196,9 @@ class TrainStep:
         if self.parallel is not None and self._norm_weights is None:
             self._norm_weights = self.parallel.grads.norm_weights(device)
         loss_sum = torch.zeros((), device=device)
-        meter = torch.zeros(self.meter_size, device=device, requires_grad=True) if self.meter_size else None
-        stats = torch.zeros(self.meter_size, device=device)
+        n = len(self.meter_names)
+        meter = torch.zeros(n, device=device, requires_grad=True) if n else None
+        stats = torch.zeros(n, device=device)
         accum = None
         gather = self.gather_params_first  # in the step's first graph (a bool: each value compiles once)
         if len(micro_batches) > 1:
@@ -215,7 +216,7 @@ class TrainStep:
         metrics = {"loss": loss, "grad_norm": grad_norm, "finite": finite, "nonfinite_grads": bad}
         if meter is not None:  # every data rank's layers and micro batches (tp ranks hold the same)
             stats = stats + last_stats
-            metrics["router"] = stats if self.parallel is None else self.parallel.groups.sum_over_tokens(stats)
+            metrics["meter"] = stats if self.parallel is None else self.parallel.groups.sum_over_tokens(stats)
         return params, opt_state, metrics
 
     def _accumulation_buffers(self, flat: list[torch.Tensor]) -> list[torch.Tensor]:

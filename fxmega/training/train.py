@@ -160,7 +160,8 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
                     f"{record['straggler_late_s'] * 1e3:.0f} ms after the first")
                 log.info(f"step {step:>6} | loss {m['loss']:.4f} | lr {m['lr']:.3e} | grad norm {m['grad_norm']:.3f} | "
                          f"{avg['tokens_per_s']:,.0f} tokens/s | MFU {100 * avg['mfu']:.2f}% | "
-                         f"peak mem {record['peak_memory_bytes'] / 2**30:.2f} GiB{straggler}{router_line(m)}")
+                         f"peak mem {record['peak_memory_bytes'] / 2**30:.2f} GiB{straggler}{router_line(m)}"
+                         f"{mtp_line(m)}")
             if save or signum:  # the checkpointer says when it is committed
                 result.checkpoint = run.save(t.save_dir or _default_save_dir(cfg))
             if signum:
@@ -225,3 +226,9 @@ def router_line(m: dict) -> str:
         return ""
     return (f" | experts: load max/min {m['moe_load_max']:.2f}/{m['moe_load_min']:.2f} of mean, dropped "
             f"{100 * m['moe_dropped_fraction']:.1f}%, balancing {m['moe_balancing_loss']:.3f}, z {m['moe_z_loss']:.3f}")
+
+
+def mtp_line(m: dict) -> str:
+    """Multi-token prediction's per-depth losses for the log line (this step's), or nothing."""
+    depths = [v for k, v in m.items() if k.startswith("mtp_loss_")]
+    return f" | MTP loss {', '.join(f'{v:.4f}' for v in depths)}" if depths else ""
