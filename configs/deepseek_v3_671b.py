@@ -5,8 +5,12 @@ d_model 7168, 61 layers (the first 3 dense, width 18432), 128 heads of MLA (quer
 width 2048 in 8 groups (4 eligible per token), top 8, one shared expert, sigmoid scores
 scaled by 2.5, the auxiliary-loss-free bias (update speed 0.001, report section 4.2),
 vocabulary 129280, YaRN to 128K (factor 40 over 4096, mscale 1.0 on the tables and the
-softmax). Training settings follow the report's pre-training (section 4.2): sequences of
-4096, batch ramped to 15360, peak lr 2.2e-4, AdamW betas (0.9, 0.95), weight decay 0.1."""
+softmax). One multi-token prediction module (report section 2.2), its loss weighed 0.3 (the
+report's weight for the first 10T tokens, 0.1 after): 11.6B parameters beside the 671B,
+which with its own copies of the embedding and head (shared here) make the 685B of the
+published checkpoint. Training settings follow the report's pre-training (section 4.2):
+sequences of 4096, batch ramped to 15360, peak lr 2.2e-4, AdamW betas (0.9, 0.95), weight
+decay 0.1."""
 
 from fxmega.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from fxmega.models import deepseek_v3
@@ -22,7 +26,8 @@ config = RunConfig(
                                  attention_factor=1.0),
         mscale_all_dim=1.0, norm_eps=1e-6, init_std=0.006,
         moe=MoE(n_experts=256, top_k=8, d_expert=2048, n_shared_experts=1, first_dense_layers=3, score="sigmoid",
-                n_groups=8, topk_groups=4, route_scale=2.5, expert_bias=True, bias_update_rate=0.001)),
+                n_groups=8, topk_groups=4, route_scale=2.5, expert_bias=True, bias_update_rate=0.001),
+        mtp_depth=1, mtp_loss_weight=0.3),
     train=TrainConfig(steps=970_000, micro_batch_size=1, global_batch_size=15360, seq_len=4096,
                       eval_interval=1000, eval_iters=50),
     optim=OptimConfig(lr=2.2e-4, min_lr=2.2e-5, warmup_steps=2000, weight_decay=0.1, beta2=0.95, eps=1e-8),

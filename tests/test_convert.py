@@ -250,3 +250,26 @@ def test_command_line_deepseek_v3_both_ways(tmp_path, capsys):
     for name, tensor in hf.state_dict().items():
         assert torch.equal(back.state_dict()[name], tensor), name
     assert json.loads((tmp_path / "out" / "config.json").read_text())["rope_interleave"] is True
+
+
+def test_deepseek_v3_mtp_modules_travel_as_deepseek_releases_them(tmp_path):
+    """A DeepSeek-V3 with a multi-token prediction module exports it as layer ``n_layers``
+    (``enorm``, ``hnorm``, ``eh_proj``, ``shared_head``, the block, copies of the embedding
+    and head), as the released checkpoint holds layer 61; importing reads it back exactly.
+    transformers loads the main model from the same files (it drops the MTP layer) with the
+    same tensors; a directory whose config counts MTP layers its files lack (transformers'
+    own save) converts without them."""
+    cfg = config_from_hf(_hf_deepseek_v3().config.to_dict())[1]
+    cfg = dataclasses.replace(cfg, mtp_depth=1)
+    params = init_params(deepseek_v3.param_specs(cfg), seed=5)
+    to_hf("deepseek_v3", cfg, params, tmp_path / "out")
+    family, got_cfg, got = from_hf(tmp_path / "out")
+    assert (family, got_cfg.mtp_depth) == ("deepseek_v3", 1)
+    assert tree.paths(got) == tree.paths(params)
+    for path, want in tree.items(params):
+        assert torch.equal(dict(tree.items(got))[path], want), path
+    back = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out", experts_implementation="eager")
+    assert not any(k.startswith(f"model.layers.{cfg.n_layers}.") for k in back.state_dict())
+    assert torch.equal(back.state_dict()["lm_head.weight"], params["head"].t())
+    back.save_pretrained(tmp_path / "resaved", safe_serialization=True)
+    assert from_hf(tmp_path / "resaved")[1].mtp_depth == 0

@@ -173,12 +173,11 @@ def active_params(cfg: Config) -> int:
     return sum(s.numel for s in tree.leaves(param_specs(cfg))) - idle_expert_params(cfg)
 
 
-def idle_expert_params(cfg: Config, extra_moe_blocks: int = 0) -> int:
-    """Routed-expert parameters a token skips: in every MoE block (the model's, and
-    ``extra_moe_blocks`` beyond them), the three matrices of each expert it was not sent to
-    (shared by the families that use this feed-forward)."""
+def idle_expert_params(cfg: Config) -> int:
+    """Routed-expert parameters a token skips: in every MoE block, the three matrices of each
+    expert it was not sent to (shared by the families that use this feed-forward)."""
     idle = cfg.moe.n_experts - cfg.moe.top_k
-    moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers)) + extra_moe_blocks
+    moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.n_layers))
     return moe_layers * idle * 3 * cfg.d_model * cfg.moe.expert_width(cfg.d_ff)
 
 

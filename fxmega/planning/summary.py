@@ -50,10 +50,10 @@ def summary(model_cfg: object, seq_len: int) -> str:
     specs = model_for(model_cfg).param_specs(model_cfg)
     rows: list[tuple[str, int, str]] = []
     for key, sub in specs.items():
-        if key == "blocks":
+        if isinstance(sub, list):  # the blocks, DeepSeek-V3's MTP modules
             for first, last in _runs_of_alike_blocks(sub):
                 per_block = count_params(sub[first])
-                which = "blocks" if (first, last) == (0, len(sub) - 1) else f"blocks {first}-{last}"
+                which = key if (first, last) == (0, len(sub) - 1) else f"{key} {first}-{last}"
                 rows.append((f"{which} ({last - first + 1} x {per_block:,})", per_block * (last - first + 1), ""))
                 for name, part in sub[first].items():
                     shapes = ", ".join(f"{p.split('.', 1)[-1]} {list(s.shape)}" for p, s in tree.items({name: part})
@@ -70,6 +70,9 @@ def summary(model_cfg: object, seq_len: int) -> str:
              f"n_heads={model_cfg.n_heads}, vocab_size={model_cfg.vocab_size}"]
     lines += [f"  {name:<{width}}{n:>15,}  {shapes}".rstrip() for name, n, shapes in rows]
     lines.append(f"parameters: {total:,}")
+    if "mtp" in specs:  # trained beside the main model, not used to generate
+        lines.append(f"  multi-token prediction modules: {count_params(specs['mtp']):,}; the main model: "
+                     f"{total - count_params(specs['mtp']):,}")
     active = model_for(model_cfg).active_params
     if active is not None:  # a mixture of experts: what one token passes through
         lines.append(f"active per token: {active(model_cfg):,}")

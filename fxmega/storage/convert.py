@@ -19,6 +19,7 @@ import torch
 from fxmega.core import tree
 from fxmega.core.errors import CheckpointError, ConfigError
 from fxmega.core.json_files import check_fields
+from fxmega.core.log import get_logger
 from fxmega.data.tokenizer import portable
 from fxmega.models import deepseek_v3, gpt, llama, mixtral
 from fxmega.models.family import ModelConfig
@@ -27,6 +28,8 @@ from fxmega.ops.rope import RopeScaling
 from fxmega.storage import checkpoint, hf_files, hf_layout, hf_t5
 from fxmega.storage.checkpoint_files import digests
 from fxmega.storage.hf_bert import load_hf_dir
+
+log = get_logger(__name__)
 
 
 def tensor_files(path: Path) -> list[str]:
@@ -145,7 +148,8 @@ def _deepseek_v3_config(hf: dict[str, Any]) -> deepseek_v3.Config:
         q_lora_rank=hf.get("q_lora_rank") or 0,
         kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
         qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], rope_theta=theta, rope_scaling=scaling,
-        mscale_all_dim=mscale_all_dim, norm_eps=hf.get("rms_norm_eps", 1e-6), moe=moe)
+        mscale_all_dim=mscale_all_dim, norm_eps=hf.get("rms_norm_eps", 1e-6), moe=moe,
+        mtp_depth=hf.get("num_nextn_predict_layers") or 0)
 
 
 def _deepseek_v3_to_hf(cfg: deepseek_v3.Config, torch_dtype: str) -> dict[str, Any]:
@@ -167,7 +171,7 @@ def _deepseek_v3_to_hf(cfg: deepseek_v3.Config, torch_dtype: str) -> dict[str, A
             "n_shared_experts": m.n_shared_experts, "first_k_dense_replace": m.first_dense_layers,
             "norm_topk_prob": m.norm_topk, "n_group": m.n_groups, "topk_group": m.topk_groups,
             "routed_scaling_factor": m.route_scale, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
-            "tie_word_embeddings": False, "attention_bias": False, "num_nextn_predict_layers": 0,
+            "tie_word_embeddings": False, "attention_bias": False, "num_nextn_predict_layers": cfg.mtp_depth,
             "torch_dtype": torch_dtype}
 
 
@@ -350,6 +354,12 @@ def from_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[str, 
         return "t5", cfg, hf_t5.t5_from_hf(sd, cfg)
     family, cfg = config_from_hf(hf)
     sd = {k: v.to(dtype) for k, v in _read_tensors(path).items()}
+    if family == "deepseek_v3" and cfg.mtp_depth and f"model.layers.{cfg.n_layers}.eh_proj.weight" not in sd:
+        # the config counts MTP layers the files lack: transformers' save_pretrained drops them
+        log.info(f"{path}: config.json has num_nextn_predict_layers={cfg.mtp_depth} but the files hold no "
+                 f"multi-token prediction layer (model.layers.{cfg.n_layers}.*; transformers drops them): converted "
+                 f"without (model.mtp_depth=0)")
+        cfg = dataclasses.replace(cfg, mtp_depth=0)
     # DeepSeek's rotary dims come in interleaved pairs unless the config says otherwise
     interleaved = {"interleaved": bool(hf.get("rope_interleave", True))} if family == "deepseek_v3" else {}
     try:

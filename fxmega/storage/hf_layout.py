@@ -303,40 +303,65 @@ def deepseek_v3_from_hf(sd: dict[str, torch.Tensor], cfg: deepseek_v3.Config, in
     the config says ``rope_interleave: false``), the first ``first_k_dense_replace`` blocks'
     dense ``mlp``, then per expert ``gate_proj``, ``up_proj``, ``down_proj`` under
     ``mlp.experts``, the router ``mlp.gate`` with its ``e_score_correction_bias`` (the
-    auxiliary-loss-free selection bias) and the shared experts as one MLP. The multi-token
-    prediction layers (``num_nextn_predict_layers``) are not read, as transformers does not."""
-    blocks = []
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}"
-        block = {"attn_norm": {"scale": sd[f"{p}.input_layernorm.weight"]},
-                 "attn": _mla_from_hf(sd, p, cfg, interleaved),
-                 "mlp_norm": {"scale": sd[f"{p}.post_attention_layernorm.weight"]}}
-        if not cfg.moe.is_moe_layer(i):
-            blocks.append(block | _dense_mlp_from_hf(sd, p))
-            continue
-        block |= _moe_from_hf(sd, f"{p}.mlp.experts", f"{p}.mlp.gate.weight", QWEN_EXPERT, cfg.moe.n_experts)
-        block["moe"]["expert_bias"] = sd[f"{p}.mlp.gate.e_score_correction_bias"]
-        if cfg.moe.n_shared_experts:
-            block["moe"]["shared"] = _dense_mlp_from_hf(sd, f"{p}.mlp.shared_experts", "")["mlp"]
-        blocks.append(block)
-    return _llama_outer_from_hf(sd, blocks)
+    auxiliary-loss-free selection bias) and the shared experts as one MLP. With
+    ``cfg.mtp_depth`` the multi-token prediction modules too, as DeepSeek's released
+    checkpoint stores them (transformers drops them on load): layer ``n_layers + k`` holds
+    module ``k``'s block beside ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head.norm``
+    (its ``embed_tokens`` and ``shared_head.head`` are copies of the main model's)."""
+    params = _llama_outer_from_hf(sd, [_deepseek_v3_block_from_hf(sd, i, cfg, interleaved)
+                                       for i in range(cfg.n_layers)])
+    if cfg.mtp_depth:
+        params["mtp"] = []
+        for i in range(cfg.n_layers, cfg.n_layers + cfg.mtp_depth):
+            p = f"model.layers.{i}"
+            params["mtp"].append({"enorm": {"scale": sd[f"{p}.enorm.weight"]},
+                                  "hnorm": {"scale": sd[f"{p}.hnorm.weight"]}, "eh_proj": sd[f"{p}.eh_proj.weight"].t(),
+                                  "block": _deepseek_v3_block_from_hf(sd, i, cfg, interleaved),
+                                  "norm": {"scale": sd[f"{p}.shared_head.norm.weight"]}})
+    return params
+
+
+def _deepseek_v3_block_from_hf(sd: dict[str, torch.Tensor], i: int, cfg: deepseek_v3.Config,
+                               interleaved: bool) -> dict:
+    p = f"model.layers.{i}"
+    block = {"attn_norm": {"scale": sd[f"{p}.input_layernorm.weight"]}, "attn": _mla_from_hf(sd, p, cfg, interleaved),
+             "mlp_norm": {"scale": sd[f"{p}.post_attention_layernorm.weight"]}}
+    if not cfg.moe.is_moe_layer(i):
+        return block | _dense_mlp_from_hf(sd, p)
+    block |= _moe_from_hf(sd, f"{p}.mlp.experts", f"{p}.mlp.gate.weight", QWEN_EXPERT, cfg.moe.n_experts)
+    block["moe"]["expert_bias"] = sd[f"{p}.mlp.gate.e_score_correction_bias"]
+    if cfg.moe.n_shared_experts:
+        block["moe"]["shared"] = _dense_mlp_from_hf(sd, f"{p}.mlp.shared_experts", "")["mlp"]
+    return block
 
 
 def deepseek_v3_to_hf(params: dict, cfg: deepseek_v3.Config) -> dict[str, torch.Tensor]:
     """A ``DeepseekV3ForCausalLM`` checkpoint (the Hub's per-expert layout, rotary dims
-    interleaved) from fxmega params: the inverse of ``deepseek_v3_from_hf``."""
+    interleaved) from fxmega params: the inverse of ``deepseek_v3_from_hf``, the MTP modules
+    written as DeepSeek's release writes them (with their copies of the embedding and head)."""
     sd = _llama_outer_to_hf(params)
     for i, b in enumerate(params["blocks"]):
+        sd |= _deepseek_v3_block_to_hf(b, f"model.layers.{i}", cfg)
+    for i, m in enumerate(params.get("mtp", []), start=cfg.n_layers):
         p = f"model.layers.{i}"
-        sd |= {f"{p}.input_layernorm.weight": b["attn_norm"]["scale"],
-               f"{p}.post_attention_layernorm.weight": b["mlp_norm"]["scale"]} | _mla_to_hf(b["attn"], p, cfg)
-        if "mlp" in b:
-            sd |= _dense_mlp_to_hf(b["mlp"], p)
-            continue
-        m = b["moe"]
-        sd |= _moe_to_hf(m, f"{p}.mlp.experts", f"{p}.mlp.gate.weight", QWEN_EXPERT)
-        sd[f"{p}.mlp.gate.e_score_correction_bias"] = m["expert_bias"] if "expert_bias" in m else \
-            torch.zeros(cfg.moe.n_experts, dtype=m["router"].dtype)
-        if "shared" in m:
-            sd |= _dense_mlp_to_hf(m["shared"], f"{p}.mlp.shared_experts", "")
+        sd |= _deepseek_v3_block_to_hf(m["block"], p, cfg) | {
+            f"{p}.enorm.weight": m["enorm"]["scale"], f"{p}.hnorm.weight": m["hnorm"]["scale"],
+            f"{p}.eh_proj.weight": m["eh_proj"].t(), f"{p}.shared_head.norm.weight": m["norm"]["scale"],
+            # copies, not aliases (safetensors stores no tensor twice)
+            f"{p}.embed_tokens.weight": params["embed"]["tokens"].clone(),
+            f"{p}.shared_head.head.weight": params["head"].t().clone()}
     return {k: v.contiguous() for k, v in sd.items()}
+
+
+def _deepseek_v3_block_to_hf(b: dict, p: str, cfg: deepseek_v3.Config) -> dict[str, torch.Tensor]:
+    sd = {f"{p}.input_layernorm.weight": b["attn_norm"]["scale"],
+          f"{p}.post_attention_layernorm.weight": b["mlp_norm"]["scale"]} | _mla_to_hf(b["attn"], p, cfg)
+    if "mlp" in b:
+        return sd | _dense_mlp_to_hf(b["mlp"], p)
+    m = b["moe"]
+    sd |= _moe_to_hf(m, f"{p}.mlp.experts", f"{p}.mlp.gate.weight", QWEN_EXPERT)
+    sd[f"{p}.mlp.gate.e_score_correction_bias"] = m["expert_bias"] if "expert_bias" in m else \
+        torch.zeros(cfg.moe.n_experts, dtype=m["router"].dtype)
+    if "shared" in m:
+        sd |= _dense_mlp_to_hf(m["shared"], f"{p}.mlp.shared_experts", "")
+    return sd
