@@ -99,16 +99,22 @@ def test_refusals():
     assert MeshSpec.parse("2x1x1x2").size("cp") == 2  # the positional form's fourth size
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_attention_blocks_merge_to_whole_attention(fused):
+@pytest.mark.parametrize("fused, v_width", [(True, 5), (False, 5), (None, 3)])
+def test_attention_blocks_merge_to_whole_attention(fused, v_width):
     """Ring attention's algebra on one process, in float64: attention over keys in blocks,
     merged by log-sum-exp, equals attention over all keys (causal and not, grouped heads),
     and each block's backward from the merged output and log-sum-exp sums to the gradients;
-    with the CPU's fused kernel and written out."""
+    with the CPU's fused kernel and written out, and with values narrower than queries and
+    keys (MLA's), which the default takes to the written-out form (the fused kernel refuses
+    them)."""
     torch.manual_seed(0)
     q = torch.randn(2, 8, 4, 5, dtype=torch.float64, requires_grad=True)
-    k, v = (torch.randn(2, 8, 2, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    grad = torch.randn(2, 8, 4, 5, dtype=torch.float64)
+    k = torch.randn(2, 8, 2, 5, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 8, 2, v_width, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 8, 4, v_width, dtype=torch.float64)
+    if v_width != 5:
+        with pytest.raises(ValueError, match="values as wide as queries"):
+            attend_block(q, k, v, fused=True)
     for causal in (False, True):
         want = sdpa(q, k, v, is_causal=causal, enable_gqa=True)
         want_grads = torch.autograd.grad(want, (q, k, v), grad)

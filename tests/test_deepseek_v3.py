@@ -1,6 +1,6 @@
 """DeepSeek-V3 (fxmega/models/deepseek_v3.py) in training: the tiny model trains, its
 auxiliary-loss-free selection bias moves with the load, and the meshes it runs on (dp,
-ZeRO-3, fsdp, ep, tp with and without sequence parallelism, pp) equal one device in losses,
+ZeRO-3, fsdp, ep, tp with and without sequence parallelism, pp, cp) equal one device in losses,
 gradient norms, gradients, router statistics and multi-token prediction's depth losses;
 multi-token prediction's loss and gradients equal a float64 reference of the report's
 equations; the 671B config's sizes and its latent cache. Its float64 logits against transformers'
@@ -91,11 +91,43 @@ def test_meshes_equal_one_device(one_device, names):
                                 f"{name} {key}")
 
 
-@pytest.mark.parametrize("mesh", ["cp=2"])
-def test_meshes_not_built_for_it_yet_are_refused(mesh):
-    cfg = tiny_config({"mesh": mesh}, model="tiny_deepseek_v3")
-    with pytest.raises(ConfigError, match="deepseek_v3 family has been shown equal to one device on dp, fsdp, ep, "
-                                          "tp, pp"):
+# context parallelism, without MTP (refused under cp below): MLA's attention over the chunks by
+# all-gather, ring (values narrower than queries and keys) and all-to-all
+CP_MESHES = {"cp2": dict(mesh="cp=2"), "cp2_ring": dict(mesh="cp=2", cp_attention="ring"),
+             "cp2_a2a": dict(mesh="cp=2", cp_attention="a2a")}
+
+
+def _cp_config(parallel: dict | None = None):
+    return tiny_config(parallel, model="tiny_deepseek_v3", extra=("train.compile_backend=aot_eager",
+                                                                  "model.mtp_depth=0"))
+
+
+def cp_runs(names: list[str]) -> dict | None:
+    out = {name: train(_cp_config(CP_MESHES[name]), STEPS, collectives=False)[1] for name in names}
+    return out if torch.distributed.get_rank() == 0 else None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("names", [pytest.param(("cp2_ring",), id="ring"),
+                                   pytest.param(("cp2", "cp2_a2a"), id="others", marks=pytest.mark.e2e)])
+def test_context_parallel_equals_one_device(names):
+    """Losses, gradient norms, gradients and parameters (the selection bias's updates from
+    the load summed over cp included); the routers' statistics, per-sequence measures of which
+    a cp rank sees a part, are not collected under cp (the run says so)."""
+    want = record(Run(_cp_config()), STEPS)
+    got = run_ranks(2, "tests.test_deepseek_v3:cp_runs", list(names))[0]
+    for name in names:
+        assert_matches_one_device(got[name], want, _cp_config(), name)
+        assert want["router"][0] and not any(got[name]["router"]), name
+
+
+def test_cp_refuses_what_reads_a_whole_sequence():
+    cfg = tiny_config({"mesh": "cp=2"}, model="tiny_deepseek_v3")
+    with pytest.raises(ConfigError, match="multi-token prediction depth k reads the targets k positions on.*"
+                                          "model.mtp_depth=0"):
+        preflight(cfg, model_for(cfg.model), torch.device("cpu"))
+    cfg = override(cfg, ["model.mtp_depth=0", "model.moe.aux_loss_coeff=0.001"])
+    with pytest.raises(ConfigError, match="aux_loss_coeff=0.001 weighs a balancing loss per whole sequence"):
         preflight(cfg, model_for(cfg.model), torch.device("cpu"))
 
 

@@ -356,17 +356,19 @@ def forward(params: dict, tokens: torch.Tensor, cfg: Config,
     return head(params, x, cfg)
 
 
-# the mesh axes the family has been shown equal to one device on (tests/test_deepseek_v3.py):
-# the data axes and ep, folded over them; the others are refused until then
-SHOWN_AXES = ("dp", "fsdp", "ep", "tp", "pp")
-
-
 def check_mesh(cfg: Config, mesh: MeshSpec) -> None:
-    """Meshes DeepSeek-V3 has not been run on yet, refused before anything is built."""
-    for axis in ("cp",):
-        if mesh.size(axis) > 1:
-            raise ConfigError(f"--mesh {mesh.describe()}: the deepseek_v3 family has been shown equal to one device "
-                              f"on {', '.join(SHOWN_AXES)} (and ZeRO); {axis} is not built for it yet")
+    """What context parallelism cannot split, refused before anything is built: MTP's
+    shifted targets and the sequence-wise balancing loss each read a whole sequence."""
+    if mesh.size("cp") == 1:
+        return
+    if cfg.mtp_depth:
+        raise ConfigError(f"--mesh {mesh.describe()}: multi-token prediction depth k reads the targets k positions "
+                          f"on, which at each cp chunk's end lie on another cp rank: set model.mtp_depth=0 to train "
+                          f"with cp, or drop cp")
+    if cfg.moe.aux_loss_coeff:
+        raise ConfigError(f"--mesh {mesh.describe()}: model.moe.aux_loss_coeff={cfg.moe.aux_loss_coeff} weighs a "
+                          f"balancing loss per whole sequence, which cp splits over ranks: set it to 0 (the "
+                          f"selection bias balances the load without it), or drop cp")
 
 
 def active_params(cfg: Config) -> int:
@@ -388,5 +390,5 @@ FAMILY = ModelFamily(
     pool=pool, active_params=active_params, check_mesh=check_mesh, kv_cache_shape=kv_cache_shape,
     v_cache_shape=rope_cache_shape, decode_write=decode_write, HEAD_INPUTS=HEAD_INPUTS, head_groups_of=head_groups,
     meter_stats=lambda cfg: aux_loss.ROUTER_STATS + mtp.stat_names(cfg.mtp_depth),
-    experts=lambda cfg: cfg.moe,
+    experts=lambda cfg: cfg.moe, CONTEXT_PARALLEL=True,  # attend_inputs takes positions, as Llama's
 )

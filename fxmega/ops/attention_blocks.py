@@ -50,15 +50,21 @@ def _heads_first(x: torch.Tensor, groups: int = 1) -> torch.Tensor:
     return repeat(x, "b s k d -> b (k g) s d", g=groups)
 
 
-def _fused(q: torch.Tensor, fused: bool | None) -> bool:
-    return q.device.type == "cpu" if fused is None else fused
+def _fused(q: torch.Tensor, v: torch.Tensor, fused: bool | None) -> bool:
+    # the CPU flash kernel writes outputs as wide as the queries: values of another width (MLA's
+    # v_head_dim beside its wider query/key heads) take the einsum form
+    if fused is None:
+        return q.device.type == "cpu" and v.shape[-1] == q.shape[-1]
+    if fused and v.shape[-1] != q.shape[-1]:
+        raise ValueError(f"the fused CPU kernel needs values as wide as queries, got {v.shape[-1]} and {q.shape[-1]}")
+    return fused
 
 
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                  fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``q`` attending to this block of keys only (``causal``: the block is
     the queries' own tokens). ``fused``: the CPU kernel (default: on a CPU)."""
-    if _fused(q, fused):
+    if _fused(q, v, fused):
         groups = q.shape[2] // k.shape[2]
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(
             _heads_first(q), _heads_first(k, groups), _heads_first(v, groups), 0.0, causal)
@@ -83,7 +89,7 @@ def attend_block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gra
     attention's ``out`` (in ``q``'s dtype) and ``lse``."""
     groups = q.shape[2] // k.shape[2]
     dt = _compute_dtype(q)
-    if _fused(q, fused):
+    if _fused(q, v, fused):
         dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _heads_first(grad_out.to(q.dtype)).contiguous(), _heads_first(q), _heads_first(k, groups),
             _heads_first(v, groups), _heads_first(out), rearrange(lse, "b l h -> b h l").contiguous(), 0.0, causal)

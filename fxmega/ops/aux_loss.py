@@ -97,9 +97,10 @@ def in_step() -> bool:
     return _SCALE[0] is not None and torch.is_grad_enabled()
 
 
-def measuring() -> bool:
-    """Whether a step meters the forward running now (``measure`` hands statistics on)."""
-    return _METER[0] is not None and torch.is_grad_enabled()
+def measuring(names: tuple[str, ...] = ()) -> bool:
+    """Whether a step meters the forward running now (``measure`` hands statistics on), and
+    collects ``names`` (a run may leave some out: routers' statistics under cp)."""
+    return _METER[0] is not None and torch.is_grad_enabled() and all(n in _METER_NAMES[0] for n in names)
 
 
 def measure(x: torch.Tensor, stats: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor:

@@ -182,7 +182,7 @@ def moe_ffn(p: dict, x: torch.Tensor, moe: MoE, valid: torch.Tensor | None = Non
     if moe.aux_loss_coeff or moe.z_loss_coeff:
         per_sequence = moe.aux_loss_coeff * balancing + moe.z_loss_coeff * z
         y = aux_loss.attach(y, (per_sequence * routing.sequence_tokens(s, b, valid, per_sequence)).sum())
-    if aux_loss.measuring():
+    if aux_loss.measuring(aux_loss.ROUTER_STATS):
         y = aux_loss.measure(y, _router_stats(r, load, balancing, z, rows, b, moe), aux_loss.ROUTER_STATS)
     return y
 

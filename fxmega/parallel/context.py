@@ -97,7 +97,7 @@ def check_context_parallel(cfg: RunConfig, mesh: MeshSpec, model: ModelFamily) -
         return
     if not model.CONTEXT_PARALLEL:
         raise ConfigError(f"--mesh {cfg.parallel.mesh}: the {model.name} model does not take out-of-order positions, "
-                          f"which context parallelism needs (GPT and Llama causal language models do): drop cp")
+                          f"which context parallelism needs (GPT, Llama and DeepSeek-V3 do): drop cp")
     head_tail_order(cfg.train.seq_len, cp)  # the sequence splits into 2 cp chunks
     if cfg.parallel.cp_attention == "a2a":
         ways = cp * mesh.size("tp")

@@ -25,7 +25,7 @@ from fxmega.inference.seq2seq import WithModelSpecials, ended, generate_seq2seq,
 from fxmega.models import loss_by_pieces, model_for
 from fxmega.models.family import ModelFamily
 from fxmega.models.weight_uses import fp8_gathered
-from fxmega.ops import fp8, kernels, matmul, recompute, tied_embedding_grad
+from fxmega.ops import aux_loss, fp8, kernels, matmul, recompute, tied_embedding_grad
 from fxmega.ops.init import init_params
 from fxmega.ops.objectives import Objective
 from fxmega.optim.optimizer import init_state, optimizer_for
@@ -132,6 +132,15 @@ class Run:
                 torch._dynamo.mark_static_address(tensor)
         # what the layers report through the step (aux_loss.measure): routers' statistics, MTP's depth losses
         self.meter_names = self.model.meter_stats(cfg.model)
+        if parallel is not None and parallel.plan.mesh.size("cp") > 1 and set(aux_loss.ROUTER_STATS) <= set(
+                self.meter_names):
+            # per-sequence and per-micro-batch measures (balancing, load max/min) of which each cp
+            # rank sees a part: said, and left out rather than reported per part
+            self.meter_names = tuple(n for n in self.meter_names if n not in aux_loss.ROUTER_STATS)
+            if parallel.rank == 0:
+                log.info("note: under cp the routers' statistics (balancing loss, load max/min, dropped pairs) are "
+                         "not collected: each is a per-sequence measure of which a cp rank sees only its chunks "
+                         "(the selection bias still moves by the whole load, summed over cp)")
         if self.pipelined:
             self.train_step = PipelineStep(parallel, cfg.model, self.model, self.objective,
                                            self.params, roles, optimizer,
