@@ -144,6 +144,7 @@ def _saved_by_autograd(model, mcfg, dtype, tp: int) -> int:
 
     def narrow(path: str, t: torch.Tensor) -> torch.Tensor:
         dims = {"wqkv": -2, "bqkv": -2, "wq": 1, "wk": 1, "wv": 1, "bq": 0, "bk": 0, "bv": 0, "wo": 0, "w_in": 1,
+                "wq_b": 1, "wkv_b": 1,
                 "b_in": 0, "w_gate": -1, "w_up": -1, "w_out": 0, "w_down": -2}
         d = dims.get(path.split(".")[-1])
         return t if d is None else t.narrow(d, 0, t.shape[d] // tp)
@@ -368,3 +369,41 @@ def test_plan_html_and_show(tmp_path, capsys):
                  "--plan-html", str(page), "--show", "embed.tokens"]) == 0
     out = capsys.readouterr().out
     assert "embed.tokens" in out and "tp0" in out and page.read_text().count("<svg") > 10
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_deepseek_v3_activation_census_matches_autograd(dense):
+    """DeepSeek-V3's table (``deepseek_v3.block_saved``: the latents' norms, MLA's heads of two
+    widths, then the dense MLP or the experts) against what eager autograd keeps, fp32 and
+    bf16, tp 1 and 2. What it leaves out, each named: this CPU's attention for values narrower
+    than queries is SDPA's math form, which keeps the probabilities ``[b, h, s, s]`` and
+    transposed copies of the query and key where a fused kernel (the GPUs') keeps the
+    log-sum-exp; in fp32 the key-value norm's input is a view of the whole ``wkv_a`` output,
+    the rotary key's columns too."""
+    import torch
+
+    from fxmega.models import deepseek_v3
+    from fxmega.ops.moe import MoE
+
+    e, f, b, s, d, h = 4, 96, 2, 128, 128, 4
+    mcfg = deepseek_v3.Config(vocab_size=256, max_seq_len=s, d_model=d, n_layers=1, n_heads=h, d_ff=160,
+                              q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                              v_head_dim=12, moe=MoE(n_experts=e, top_k=2, d_expert=f, n_shared_experts=1,
+                                                     first_dense_layers=1 if dense else 0, score="sigmoid",
+                                                     expert_bias=True))
+    for dtype in (torch.float32, torch.bfloat16):
+        for tp in (1, 2):
+            act = torch.finfo(dtype).bits // 8
+            shape = estimate.BlockShape(deepseek_v3.block_saved(mcfg, 0, s, 1), b * s, d, h // tp, h // tp, 0,
+                                        160 // tp, 1, experts=e, expert_mlp=f // tp, shared_mlp=f // tp)
+            expected = estimate.block_bytes(shape, act, "none", compiled=False)
+            got = _saved_by_autograd(deepseek_v3, mcfg, dtype, tp)
+            t, heads = b * s, h // tp
+            # the math form: fp32 probabilities instead of the log-sum-exp; in bf16 fp32 copies of
+            # the query, key and value beside the table's bf16 ones; in fp32 the rotary key's columns
+            math_form = b * heads * s * s * 4 - t * heads * 4 + (
+                t * 8 * 4 if act == 4 else t * heads * (2 * mcfg.qk_head_dim + mcfg.v_head_dim) * 2)
+            # as the mixtral test names them: dropless's CPU masks, the balancing terms' per-token
+            # and per-sequence values (computed for the statistics), the selection bias's load
+            moe_terms = 0 if dense else 3 * e * 2 * t + t * 4 + b * e * 4 + 2 * b * 4 + e * act
+            assert got == expected + math_form + moe_terms, (dense, dtype, tp, got - expected - math_form - moe_terms)

@@ -23,6 +23,7 @@ from tests.conftest import ROOT
 from tests.tolerance import run_rtol
 
 TINY_GPT, TINY_MOE = str(ROOT / "configs" / "tiny_gpt.py"), str(ROOT / "configs" / "tiny_moe.py")
+TINY_DEEPSEEK_V3 = str(ROOT / "configs" / "tiny_deepseek_v3.py")
 FOUR_BLOCKS = ("--set", "model.n_layers=4")  # two pipeline stages of two virtual stages each
 MUON = ("--optimizer", "muon")
 # name -> (config, the model's changes (the one-device run makes them too), the mesh's flags)
@@ -42,6 +43,8 @@ CASES: dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]] = {
     "cp_ring": (TINY_GPT, (), ("--mesh", "cp=2", "--cp-attention", "ring")),
     "cp_a2a": (TINY_GPT, (), ("--mesh", "cp=2", "--cp-attention", "a2a")),
     "ep": (TINY_MOE, (), ("--mesh", "dp=2,ep=2")),
+    # DeepSeek-V3: MLA, experts with the selection bias, one MTP module, generation over the latent cache
+    "deepseek_v3_ep": (TINY_DEEPSEEK_V3, (), ("--mesh", "dp=2,ep=2")),
     "pp_gpipe": (TINY_GPT, (), ("--mesh", "pp=2", "--pipeline-schedule", "gpipe", "--micro-batch-size", "4")),
     "pp_1f1b": (TINY_GPT, (), ("--mesh", "pp=2", "--pipeline-schedule", "1f1b", "--micro-batch-size", "4")),
     "pp_interleaved": (TINY_GPT, FOUR_BLOCKS, ("--mesh", "pp=2", "--pipeline-schedule", "interleaved-1f1b",

@@ -46,6 +46,7 @@ import torch
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.core.spec import ONES, ParamSpec
+from fxmega.models.census import Saved
 from fxmega.models import llama, mixtral
 from fxmega.models.checks import require_positive
 from fxmega.models.family import ModelFamily
@@ -200,6 +201,38 @@ MTP_GROUPS = ("embed", "mtp")
 def head_groups(params: dict) -> tuple[str, ...]:
     """The head's groups: Llama's, and the embedding and the MTP modules where there are some."""
     return HEAD_PARAMS + MTP_GROUPS if "mtp" in params else HEAD_PARAMS
+
+
+def latent_norm_saved(name: str, width: int) -> tuple[Saved, ...]:
+    """What RMSNorm of a latent ``width`` wide keeps (replicated over tp, as the latent is):
+    its fp32 input, the statistics, the normalised values, and its output, which the
+    up-projection reads."""
+    return (Saved(f"{name}.input_fp32", width, "one", "fp32", False, "other"),
+            Saved(f"{name}.rstd", 1, "one", "fp32", False, "other"),
+            Saved(f"{name}.normed", width, "one", "act", False, "other"),
+            Saved(f"{name}.output", width, "one", "act", False, "norm_out"))
+
+
+def attention_saved(cfg: Config) -> tuple[Saved, ...]:
+    """What MLA keeps for its backward, per token (``fxmega.models.census``): the query and
+    key-value latents through their norms (whole on every tp rank), each local head's query
+    and key (``qk_head_dim`` wide: the no-position part and the rotated one side by side, the
+    shared rotary key copied to every head) and value (``v_head_dim``), the attention's output
+    and log-sum-exp (a fused kernel's), and the output projection's partial sum."""
+    latents = latent_norm_saved("attn.q_norm", cfg.q_lora_rank) if cfg.q_lora_rank else ()
+    return latents + latent_norm_saved("attn.kv_norm", cfg.kv_lora_rank) + (
+        Saved("attn.q", cfg.qk_head_dim, "heads", "act", False, "matmul"),
+        Saved("attn.k", cfg.qk_head_dim, "heads", "act", False, "matmul"),
+        Saved("attn.v", cfg.v_head_dim, "heads", "act", False, "matmul"),
+        Saved("attn.out", cfg.v_head_dim, "heads", "act", False, "attention"),
+        Saved("attn.lse", 1, "heads", "fp32", False, "attention"),
+        Saved("attn.wo_out", 1, "embed", "act", False, "projection_out"))
+
+
+def block_saved(cfg: Config, index: int, seq_len: int, ep: int) -> tuple[Saved, ...]:
+    """What block ``index`` keeps for its backward: Llama's norms, MLA's tensors
+    (``attention_saved``) and the feed-forward's, dense or experts (``mixtral.feed_forward_saved``)."""
+    return llama.NORMS_SAVED + attention_saved(cfg) + mixtral.feed_forward_saved(cfg, index, seq_len, ep)
 
 
 def attend_inputs(cfg: Config, seq_len: int, device: torch.device, valid: torch.Tensor | None = None,
@@ -389,6 +422,7 @@ FAMILY = ModelFamily(
     attend_inputs=attend_inputs, final_hidden=final_hidden, output_weight=output_weight, POOL_PARAMS=POOL_PARAMS,
     pool=pool, active_params=active_params, check_mesh=check_mesh, kv_cache_shape=kv_cache_shape,
     v_cache_shape=rope_cache_shape, decode_write=decode_write, HEAD_INPUTS=HEAD_INPUTS, head_groups_of=head_groups,
+    block_saved=block_saved,
     meter_stats=lambda cfg: aux_loss.ROUTER_STATS + mtp.stat_names(cfg.mtp_depth),
     experts=lambda cfg: cfg.moe, CONTEXT_PARALLEL=True,  # attend_inputs takes positions, as Llama's
 )

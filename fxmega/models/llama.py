@@ -144,7 +144,7 @@ CONTEXT_PARALLEL = True  # attend_inputs takes positions, so a sequence may be s
 # What one block keeps for its backward (``fxmega.models.census``). RMSNorm runs in fp32: its
 # fp32 input, the rsqrt statistics and the normalised values; a recomputed region keeps the
 # residual in the compute dtype instead of the fp32 copy.
-SAVED_BESIDE_MLP = (  # the norms and the attention
+NORMS_SAVED = (  # the block's input and its two norms
     Saved("input", 1, "embed", "act", True, "region_input"),
     Saved("attn_norm.input_fp32", 1, "embed", "fp32", True, "autograd_input"),
     Saved("attn_norm.rstd", 1, "one", "fp32", True, "other"),
@@ -154,6 +154,8 @@ SAVED_BESIDE_MLP = (  # the norms and the attention
     Saved("mlp_norm.rstd", 1, "one", "fp32", True, "other"),
     Saved("mlp_norm.normed", 1, "embed", "act", True, "other"),
     Saved("mlp_norm.output", 1, "embed", "act", False, "norm_out"),
+)
+SAVED_BESIDE_MLP = NORMS_SAVED + (  # the norms and the attention
     Saved("attn.q", 1, "q", "act", False, "matmul"),
     Saved("attn.k", 1, "kv", "act", False, "matmul"),
     Saved("attn.v", 1, "kv", "act", False, "matmul"),

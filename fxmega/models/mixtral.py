@@ -60,13 +60,19 @@ CONTEXT_PARALLEL = False
 
 def block_saved(cfg: Config, index: int, seq_len: int, ep: int) -> tuple[Saved, ...]:
     """What block ``index`` keeps for its backward (``fxmega.models.census``), per token of
-    sequences of ``seq_len``, its experts spread over ``ep`` ranks: Llama's where the block is
-    dense; in a MoE block Llama's norms and attention, then the router (fp32 logits and
-    scores, the top-k choice), the (token, expert) pairs, the experts' SwiGLU on the rows
-    they run (``k`` per token dropless, ``moe.buffer_rows`` per sequence through buffers),
-    the weighted outputs, and the shared experts' MLP."""
+    sequences of ``seq_len``, its experts spread over ``ep`` ranks: Llama's norms and
+    attention, then its feed-forward's (``feed_forward_saved``)."""
+    return llama.SAVED_BESIDE_MLP + feed_forward_saved(cfg, index, seq_len, ep)
+
+
+def feed_forward_saved(cfg: Config, index: int, seq_len: int, ep: int) -> tuple[Saved, ...]:
+    """What block ``index``'s feed-forward keeps for its backward: Llama's MLP where the block
+    is dense; else the router (fp32 logits and scores, the top-k choice), the (token, expert)
+    pairs, the experts' SwiGLU on the rows they run (``k`` per token dropless,
+    ``moe.buffer_rows`` per sequence through buffers), the weighted outputs, and the shared
+    experts' MLP (shared with DeepSeek-V3, whose blocks have the same feed-forward)."""
     if not cfg.moe.is_moe_layer(index):
-        return llama.BLOCK_SAVED
+        return llama.mlp_saved()
     k = cfg.moe.top_k
     buffered = moe.buffer_rows(cfg.moe, seq_len, ep) * cfg.moe.n_experts / seq_len  # rows per token
     rows = buffered or k
@@ -111,7 +117,7 @@ def block_saved(cfg: Config, index: int, seq_len: int, ep: int) -> tuple[Saved, 
     if cfg.moe.shared_gate:  # the shared experts' output and its gate, for their product's backward
         shared += (Saved("moe.shared_out", 1, "embed", "act", False, "other"),
                    Saved("moe.shared_gate", 1, "one", "act", False, "other"))
-    return llama.SAVED_BESIDE_MLP + router + pairs + routed + shared
+    return router + pairs + routed + shared
 
 
 def check_mesh(cfg: Config, mesh: MeshSpec) -> None:
