@@ -46,8 +46,8 @@ import torch
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError
 from fxmega.core.spec import ONES, ParamSpec
-from fxmega.models.census import Saved
 from fxmega.models import llama, mixtral
+from fxmega.models.census import Saved
 from fxmega.models.checks import require_positive
 from fxmega.models.family import ModelFamily
 from fxmega.models.llama import (  # noqa: F401  (the family's pieces, shared with Llama)
