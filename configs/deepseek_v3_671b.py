@@ -10,9 +10,17 @@ report's weight for the first 10T tokens, 0.1 after): 11.6B parameters beside th
 which with its own copies of the embedding and head (shared here) make the 685B of the
 published checkpoint. Training settings follow the report's pre-training (section 4.2):
 sequences of 4096, batch ramped to 15360, peak lr 2.2e-4, AdamW betas (0.9, 0.95), weight
-decay 0.1."""
+decay 0.1; bf16 compute (the report's is FP8 for most products, section 3.3).
 
-from fxmega.config import DataConfig, OptimConfig, RunConfig, TrainConfig
+On paper (docs/models.md): the report's layout, 16 pipeline stages and 64-way expert
+parallelism over ZeRO-1 data parallelism on 2048 GPUs (section 3.2), fits 80 GB with full
+recompute and an expert capacity of 1.25:
+
+    python run.py plan --config configs/deepseek_v3_671b.py --mesh pp=16,dp=128,ep=64 --zero 1 \
+        --recompute full --set model.moe.capacity_factor=1.25 --memory-per-device 80GB
+"""
+
+from fxmega.config import ComputeConfig, DataConfig, OptimConfig, RunConfig, TrainConfig
 from fxmega.models import deepseek_v3
 from fxmega.ops.moe import MoE
 from fxmega.ops.rope import RopeScaling
@@ -30,6 +38,7 @@ config = RunConfig(
         mtp_depth=1, mtp_loss_weight=0.3),
     train=TrainConfig(steps=970_000, micro_batch_size=1, global_batch_size=15360, seq_len=4096,
                       eval_interval=1000, eval_iters=50),
+    compute=ComputeConfig(precision="bf16"),
     optim=OptimConfig(lr=2.2e-4, min_lr=2.2e-5, warmup_steps=2000, weight_decay=0.1, beta2=0.95, eps=1e-8),
     data=DataConfig(tokenizer="hf:tokenizer.json"),
 )

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fxmega.cli import main
 from fxmega.config import load, override
 from fxmega.core import tree
 from fxmega.core.errors import ConfigError
@@ -145,6 +146,38 @@ def test_the_671b_config_has_the_published_sizes_and_its_latent_cache():
     assert "KV cache per token: 70,272 bytes in bf16 (61 blocks x 512 + 64 values)" in text
     gqa = cfg.n_layers * 8 * (cfg.qk_head_dim + cfg.v_head_dim) * 2
     assert round(gqa / 70_272, 1) == 4.4 and round(gqa * 16 / 70_272) == 71
+
+
+PLAN_671B = ["plan", "--config", str(ROOT / "configs" / "deepseek_v3_671b.py"), "--memory-per-device", "80GB"]
+
+
+def test_the_671b_plan_on_the_reports_layout(capsys):
+    """The report's layout (section 3.2: 16 pipeline stages, 64-way expert parallelism over
+    ZeRO-1 data parallelism, 2048 H800s of 80 GB), on paper: with full recompute and an
+    expert capacity of 1.25 the plan fits, the first stage (embedding and 4 blocks) the
+    fullest; the last holds 1 block, the head and the MTP module. Dropless it does not fit:
+    the all-to-all's static buffers give each expert a whole sequence's rows."""
+    layout = ["--mesh", "pp=16,dp=128,ep=64", "--zero", "1", "--recompute", "full"]
+    assert main([*PLAN_671B, *layout, "--set", "model.moe.capacity_factor=1.25"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: peak 47.2 GiB on pp rank 0 is 63% of 74.5 GiB per device" in out
+    assert "  15       1       10.3 GiB" in out  # one block, the head, the MTP module
+    main([*PLAN_671B, *layout])
+    assert "OOM: pp rank 0 needs 93.4 GiB" in capsys.readouterr().out
+
+
+@pytest.mark.e2e
+def test_the_largest_deepseek_v3_that_mesh_auto_fits_on_64_h100s(capsys):
+    """671B cannot fit 64 x 80 GB (fp32 masters, gradients and AdamW: 16 bytes a parameter,
+    10.9 TB against 5.1); kept at DeepSeek-V3's widths, 26 layers (279.9B with the MTP
+    module) is the deepest that ``--mesh auto`` places, 27 none."""
+    auto = [*PLAN_671B, "--mesh", "auto", "--devices", "64", "--device-profile", "h100",
+            "--set", "model.moe.capacity_factor=1.25"]
+    main([*auto, "--set", "model.n_layers=26"])
+    out = capsys.readouterr().out
+    assert "4 fit and divide" in out and "dp=8,tp=8,pp=1,ep=8, zero 3, recompute full" in out
+    main([*auto, "--set", "model.n_layers=27"])
+    assert "0 fit and divide" in capsys.readouterr().out
 
 
 def test_the_latent_cache_holds_latents_not_heads():
