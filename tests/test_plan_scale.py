@@ -402,7 +402,7 @@ def test_deepseek_v3_activation_census_matches_autograd(dense):
             # the math form: fp32 probabilities instead of the log-sum-exp; in bf16 fp32 copies of
             # the query, key and value beside the table's bf16 ones; in fp32 the rotary key's columns
             math_form = b * heads * s * s * 4 - t * heads * 4 + (
-                t * 8 * 4 if act == 4 else t * heads * (2 * mcfg.qk_head_dim + mcfg.v_head_dim) * 2)
+                t * mcfg.qk_rope_head_dim * 4 if act == 4 else t * heads * (2 * mcfg.qk_head_dim + mcfg.v_head_dim) * 2)
             # as the mixtral test names them: dropless's CPU masks, the balancing terms' per-token
             # and per-sequence values (computed for the statistics), the selection bias's load
             moe_terms = 0 if dense else 3 * e * 2 * t + t * 4 + b * e * 4 + 2 * b * 4 + e * act

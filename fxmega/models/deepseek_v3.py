@@ -302,9 +302,10 @@ def head(params: dict, x: torch.Tensor, cfg: Config, targets: torch.Tensor | Non
         return logits
     sums = mtp_loss_sums(params, x, cfg, targets, loss_mask, valid)
     logits = aux_loss.attach(logits, sum(loss for loss, _ in sums) * (cfg.mtp_loss_weight / cfg.mtp_depth))
-    if aux_loss.measuring():
+    names = mtp.stat_names(cfg.mtp_depth)
+    if aux_loss.measuring(names):
         stats = torch.stack([v.detach().float() for loss, n in sums for v in (loss, n)])
-        logits = aux_loss.measure(logits, stats, mtp.stat_names(cfg.mtp_depth))
+        logits = aux_loss.measure(logits, stats, names)
     return logits
 
 
@@ -321,8 +322,7 @@ def mtp_loss_sums(params: dict, x: torch.Tensor, cfg: Config, targets: torch.Ten
         e = layers.rms_norm(embed(params, mtp.shift(targets, k - 1), cfg), p["enorm"]["scale"], cfg.norm_eps)
         both = torch.cat([e, layers.rms_norm(h, p["hnorm"]["scale"], cfg.norm_eps)], dim=-1)
         h = block(p["block"], shard(layers.linear(both, p["eh_proj"]), "batch", "seq", "embed"), cfg, valid, attend)
-        normed = shard(layers.rms_norm(h, p["norm"]["scale"], cfg.norm_eps), "batch", "ctx", "embed")
-        logits = shard(layers.linear(normed, output_weight(params), role="head"), "batch", "ctx", "vocab")
+        logits = llama.head({"final_norm": p["norm"], "head": output_weight(params)}, h, cfg)  # its own norm
         mask = mtp.depth_mask(targets, loss_mask, k)
         loss = layers.cross_entropy_sum(logits, mtp.shift(targets, k), mask, cfg.vocab_size)
         out.append((shard(loss), shard(mask.sum())))

@@ -105,9 +105,10 @@ def check_compute(cfg: RunConfig, plan: ShardingPlan | None, device: torch.devic
         raise ConfigError(f"compute.loss_chunk={c.loss_chunk}: the {family_name(cfg.model)} head is not a final norm "
                           f"and one output projection (final_hidden, output_weight), which the chunked loss "
                           f"needs: set compute.loss_chunk=0")
-    if c.loss_chunk and model.head_groups(model.param_specs(cfg.model)) != model.HEAD_PARAMS:
+    extra_head_groups = model.head_groups(model.param_specs(cfg.model))[len(model.HEAD_PARAMS):] if c.loss_chunk else ()
+    if extra_head_groups:
         raise ConfigError(f"compute.loss_chunk={c.loss_chunk}: the {family_name(cfg.model)} head also runs "
-                          f"{', '.join(model.head_groups(model.param_specs(cfg.model))[len(model.HEAD_PARAMS):])} "
+                          f"{', '.join(extra_head_groups)} "
                           f"(multi-token prediction), which the chunked loss, a final norm and one projection, "
                           f"leaves out: set compute.loss_chunk=0, or model.mtp_depth=0")
     if not c.loss_chunk or plan is None:

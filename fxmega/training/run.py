@@ -132,8 +132,8 @@ class Run:
                 torch._dynamo.mark_static_address(tensor)
         # what the layers report through the step (aux_loss.measure): routers' statistics, MTP's depth losses
         self.meter_names = self.model.meter_stats(cfg.model)
-        if parallel is not None and parallel.plan.mesh.size("cp") > 1 and set(aux_loss.ROUTER_STATS) <= set(
-                self.meter_names):
+        under_cp = parallel is not None and parallel.plan.mesh.size("cp") > 1
+        if under_cp and aux_loss.ROUTER_STATS[0] in self.meter_names:
             # per-sequence and per-micro-batch measures (balancing, load max/min) of which each cp
             # rank sees a part: said, and left out rather than reported per part
             self.meter_names = tuple(n for n in self.meter_names if n not in aux_loss.ROUTER_STATS)
