@@ -19,6 +19,12 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
 # 2 cores, with gloo ranks compiling side by side, the pool costs more than it gains (the
 # suite ran 12% faster per compile in one thread). Children (ranks, run.py) inherit it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# FXMEGA_SUITE_PROFILE=FILE: every process the suite starts appends where its time went
+# (tests/suite_profile; docs/testing.md says how to read it)
+PROFILE = os.environ.get("FXMEGA_SUITE_PROFILE")
+if PROFILE:
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "tests" / "suite_profile"),
+                                                           os.environ.get("PYTHONPATH")) if p)
 
 import torch  # noqa: E402
 
@@ -56,7 +62,26 @@ def _reset_dynamo():
     import torch._dynamo
 
     torch._dynamo.reset()
+    if not PROFILE:
+        yield
+        return
+    import json
+    import time
+
+    from torch._dynamo.utils import calculate_time_spent, counters
+
+    def snapshot() -> tuple[dict, dict]:
+        return dict(calculate_time_spent()), {f"{g}.{k}": v for g in ("inductor", "aot_autograd", "stats")
+                                              for k, v in counters[g].items()}
+
+    (spent, counted), start = snapshot(), time.monotonic()
     yield
+    (spent_after, counted_after) = snapshot()
+    with open(PROFILE, "a") as out:
+        out.write(json.dumps({"pid": os.getpid(), "test": os.environ.get("PYTEST_CURRENT_TEST", ""), "in_pytest": True,
+                              "alive_s": round(time.monotonic() - start, 3),
+                              "compile": {k: round(v - spent.get(k, 0.0), 3) for k, v in spent_after.items()},
+                              "counters": {k: v - counted.get(k, 0) for k, v in counted_after.items()}}) + "\n")
 
 
 @pytest.fixture

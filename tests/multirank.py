@@ -56,6 +56,11 @@ def _worker(rank: int, world: int, port: int, target: str, args: tuple, queue: A
         os._exit(code)
 
 
+def _crashed(procs: list, results: dict, errors: dict) -> bool:
+    """Whether a rank ended without a word: killed by a signal, or exited before its answer."""
+    return any(p.exitcode is not None and r not in results and r not in errors for r, p in enumerate(procs))
+
+
 def run_ranks(world: int, target: str, *args: Any, timeout: float = 900, env: dict | None = None) -> list[Any]:
     """``target`` ("module:function") called on ``world`` ranks; returns results by rank."""
     ctx = mp.get_context("spawn")
@@ -65,28 +70,34 @@ def run_ranks(world: int, target: str, *args: Any, timeout: float = 900, env: di
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
-    errors = []
+    errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(results) < world and not errors:
+        while len(results) + len(errors) < world and time.monotonic() < deadline:
             try:
                 rank, status, value = queue.get(timeout=1.0)
             except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results]
-                if dead and queue.empty():
-                    errors.append(f"rank {dead[0]} exited with code {procs[dead[0]].exitcode} without a result")
-                elif time.monotonic() > deadline:
-                    errors.append(f"no result within {timeout:.0f} s (ranks done: {sorted(results)})")
+                if (errors or _crashed(procs, results, errors)) and deadline > time.monotonic() + 5:
+                    # a rank failed or died: the others get 5 s to say what they saw of it
+                    deadline = time.monotonic() + 5
                 continue
             if status == "ok":
                 results[rank] = pickle.loads(value)
             else:
-                errors.append(f"rank {rank}:\n{value}")
+                errors[rank] = value
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)
             if p.is_alive():
                 p.kill()
-    if errors:
-        raise AssertionError("a rank failed\n" + "\n".join(errors))
+                p.join()
+    if errors or len(results) < world:
+        # every rank's own account, and how each process ended: a peer's "Connection closed by
+        # peer" names only the symptom of another rank dying (a signal shows as a negative code)
+        lines = [f"rank {r}: exit code {p.exitcode}" + (f" (signal {-p.exitcode})" if (p.exitcode or 0) < 0 else "")
+                 for r, p in enumerate(procs)]
+        if not errors and all(p.exitcode is None or p.exitcode == 0 for p in procs):
+            lines.append(f"no result within {timeout:.0f} s (ranks done: {sorted(results)})")
+        raise AssertionError("a rank failed\n" + "\n".join(lines) + "".join(
+            f"\nrank {r}:\n{text}" for r, text in sorted(errors.items())))
     return [results[r] for r in range(world)]
