@@ -45,6 +45,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "heavy checks (make e2e)")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Tells the test modules, their ranks and subprocesses which tier runs (tests/tiers.py)."""
+    if config.getoption("--e2e"):
+        os.environ["FXMEGA_E2E"] = "1"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Without --e2e, the e2e tests are deselected: make test runs the matrix' riskiest cases and
     one case of each heavy check, to stay within CI's time."""

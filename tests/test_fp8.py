@@ -20,6 +20,7 @@ from fxmega.training.checks import preflight
 from fxmega.training.run import Run
 from tests.commands import run_py
 from tests.conftest import ROOT
+from tests.tiers import E2E
 
 pytest.importorskip("torchao")  # the fp8 extra (in the dev install, so CI runs these)
 
@@ -128,11 +129,14 @@ def test_fp8_gathers_it_cannot_make_are_refused(sets, match):
 def test_run_py_fp8_trains_evaluates_saves_resumes_exactly_and_generates(tmp_path):
     """``run.py --fp8 rowwise --bf16`` with inductor: 2 steps saved and resumed to 4 log the
     same losses and gradient norms as 4 steps straight (the scales are recomputed from the
-    restored tensors, so nothing fp8 is lost in the checkpoint)."""
+    restored tensors, so nothing fp8 is lost in the checkpoint). Under make test the runs trace
+    with aot_eager (tests/tiers.py): inductor's fp8 kernels are built there by
+    tests/test_fp8_mesh.py's run.py case (tensorwise); rowwise's under make e2e."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
     common = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--fp8", "rowwise", "--bf16", "--data-path",
-              str(corpus), "--lr-decay-iters", "4", "--log-interval", "1", "--eval-interval", "2", "--no-progress"]
+              str(corpus), "--lr-decay-iters", "4", "--log-interval", "1", "--eval-interval", "2", "--no-progress",
+              *(() if E2E else ("--compile-backend", "aot_eager"))]
     ckpt, log, straight = tmp_path / "ckpt", tmp_path / "log.jsonl", tmp_path / "straight.jsonl"
     first = run_py(*common, "--steps", "2", "--save", str(ckpt), "--log-jsonl", str(log))
     assert "fp8 rowwise on linear matmuls with both dims multiples of 16, emulated" in first.stdout

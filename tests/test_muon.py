@@ -21,6 +21,7 @@ from fxmega.training.checks import preflight
 from fxmega.training.optim import param_roles
 from fxmega.training.run import Run
 from tests.conftest import ROOT
+from tests.tiers import inductor_in_e2e
 from tests.tolerance import EPS32
 
 HYPER = MuonHyper(momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.1)
@@ -175,7 +176,9 @@ def test_a_skipped_step_changes_nothing_even_with_nan_gradients():
 def test_muon_trains_checkpoints_and_resumes_through_run_compiled(config, tmp_path):
     cfg = override(load(ROOT / "configs" / f"{config}.py"),
                    ["optim.optimizer=muon", "train.device=cpu", "data.source=mock", "train.eval_interval=0",
-                    "optim.lr=0.02", "optim.warmup_steps=0", "train.steps=6"])
+                    "optim.lr=0.02", "optim.warmup_steps=0", "train.steps=6",
+                    # inductor under make e2e; the user-path matrix's muon_tp_sp builds it through run.py
+                    *inductor_in_e2e()])
     run = Run(cfg)
     assert isinstance(run.optimizer, Muon)
     first = [run.do_step()["loss"] for _ in range(3)]

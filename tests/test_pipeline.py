@@ -22,6 +22,7 @@ from tests.multirank import run_ranks
 from tests.parity import assert_matches_one_device, record
 from tests.pipeline_workers import FOUR_BLOCKS, masked_run
 from tests.sharding_workers import tiny_config
+from tests.tiers import inductor_in_e2e
 from tests.tolerance import assert_losses_match, run_rtol
 
 STEPS = 5
@@ -92,7 +93,9 @@ SCHEDULE_RUNS = [
     ("interleaved-1f1b", dict(mesh="pp=2", pipeline_schedule="interleaved-1f1b", virtual_stages=2), False, MICRO2),
     ("zero-bubble", dict(mesh="pp=2", pipeline_schedule="zero-bubble", virtual_stages=2), False, MICRO2),
     ("layout", dict(mesh="pp=2", pipeline_layout="Et*3|tL"), False, MICRO2),
-    ("1f1b-compiled", dict(mesh="pp=2"), True, MICRO2),
+    # inductor under make e2e, aot_eager under make test: the user-path matrix's pp_1f1b builds
+    # inductor's stages through run.py (tests/tiers.py)
+    ("1f1b-compiled", dict(mesh="pp=2"), True, (*MICRO2, *inductor_in_e2e())),
 ]
 
 

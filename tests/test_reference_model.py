@@ -20,6 +20,7 @@ from tests.multirank import run_ranks
 from tests.parity import assert_matches_one_device, record
 from tests.reference_workers import LogitPull
 from tests.sharding_workers import AOT_EAGER, tiny_config
+from tests.tiers import inductor_in_e2e
 from tests.tolerance import run_rtol
 
 REFERENCE_SEED = 1  # the reference is another initialisation (seed 1); the trained model starts at seed 0
@@ -45,7 +46,7 @@ def _float64_pull(params: dict, reference: dict, batch: list[dict], cfg) -> tupl
 
 
 def test_the_objective_reads_the_frozen_reference_in_the_compiled_step(reference_ckpt):
-    cfg = tiny_config()  # compiled with inductor; 2 micro batches per step
+    cfg = tiny_config(extra=inductor_in_e2e())  # compiled (inductor under make e2e); 2 micro batches per step
     run = Run(cfg, objective=LogitPull(), reference=reference_ckpt)
     reference = init_params(run.specs, REFERENCE_SEED, torch.device("cpu"))
     assert all(torch.equal(a, b) and not a.requires_grad for a, b in

@@ -21,6 +21,7 @@ from fxmega.training.run import Run
 from tests.multirank import ROOT, run_ranks
 from tests.parity import assert_matches_one_device, record
 from tests.sharding_workers import t5_config
+from tests.tiers import inductor_in_e2e
 
 T5 = ROOT / "configs" / "tiny_t5.py"
 SPECIALS = SpanSpecials(pad=1000, eos=1001, sentinels=tuple(range(1099, 999, -1)))
@@ -77,7 +78,8 @@ def test_span_corruption_loss_falls():
 
 
 T5_MESHES = {
-    "dp2": (dict(mesh="dp=2"), ("train.compile=true",)),  # inductor: fused kernels with the collectives
+    # inductor under make e2e: fused kernels with the collectives; aot_eager under make test (tests/tiers.py)
+    "dp2": (dict(mesh="dp=2"), ("train.compile=true", *inductor_in_e2e())),
     "zero3": (dict(mesh="dp=2", rules="zero3"), ()),
     "tp2_sp": (dict(mesh="tp=2", sequence_parallel=True), ()),
 }
