@@ -23,6 +23,7 @@ from fxmega.storage import checkpoint
 from fxmega.storage.checkpoint_files import MANIFEST, digests, write_manifest
 from fxmega.training.run import Run
 from tests.checkpoint_workers import config
+from tests.commands import env, run_py
 from tests.conftest import ROOT
 from tests.multirank import run_ranks
 from tests.tolerance import assert_losses_match
@@ -186,6 +187,37 @@ def test_params_only_load_starts_the_optimizer_fresh(saved):
     assert run.resume(str(root), params_only=True) and run.step == 0
     assert all(torch.equal(a, b) for a, b in zip(tree.leaves(run.params), tree.leaves(trained.params)))
     assert float(run.opt_state["step"]) == 0 and all(float(m.abs().sum()) == 0 for m in run.opt_state["exp_avg"])
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_with_the_optimizer_it_was_trained_with(tmp_path):
+    """``run.py --optimizer muon --save M``, then ``--load M`` without ``--optimizer``: it
+    resumes as Muon, says so, and continues bit for bit as a straight Muon run (before, it
+    trained on as AdamW with Muon's momentum as the first moment). Asking for AdamW is refused
+    naming both; ``--finetune`` takes the parameters and starts AdamW fresh. Eager: the choice
+    is made before anything is compiled."""
+    common = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--mock-data", "--no-compile", "--no-progress",
+              "--log-interval", "1", "--lr-decay-iters", "4"]
+    ckpt, log, straight = tmp_path / "ckpt", tmp_path / "log.jsonl", tmp_path / "straight.jsonl"
+    run_py(*common, "--optimizer", "muon", "--steps", "4", "--log-jsonl", str(straight))
+    run_py(*common, "--optimizer", "muon", "--steps", "2", "--save", str(ckpt), "--log-jsonl", str(log))
+    resumed = run_py(*common, "--steps", "4", "--load", str(ckpt), "--log-jsonl", str(log))
+    assert f"resuming with muon, the optimizer {ckpt} was trained with" in resumed.stdout + resumed.stderr
+    losses = lambda path: [json.loads(line)["loss"] for line in path.read_text().splitlines()]  # noqa: E731
+    assert losses(log) == losses(straight)
+    refused = subprocess.run([sys.executable, str(ROOT / "run.py"), *common, "--optimizer", "adamw", "--steps", "4",
+                              "--load", str(ckpt)], capture_output=True, text=True, timeout=300, env=env())
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and "Traceback" not in said, said[-3000:]
+    assert f"--load {ckpt} was trained with muon; this run asks for adamw" in said and "--finetune" in said
+    fresh = run_py(*common, "--optimizer", "adamw", "--finetune", "--steps", "1", "--load", str(ckpt))
+    assert "initialised the parameters from" in fresh.stdout + fresh.stderr
+
+
+def test_a_run_of_another_optimizer_does_not_read_the_state(saved):
+    root, _ = saved  # trained with AdamW
+    with pytest.raises(CheckpointError, match="trained with adamw and this run uses muon"):
+        Run(override(_tiny(), ["optim.optimizer=muon"])).resume(str(root))
 
 
 def test_a_checkpoint_of_another_model_is_a_clear_error(saved):

@@ -45,6 +45,7 @@ from fxmega.sharding.mesh import MeshSpec
 from fxmega.storage import checkpoint, convert
 from fxmega.storage.checkpoint_files import read_meta
 from fxmega.storage.orbax_io import from_orbax, to_orbax
+from fxmega.training.checks import resume_optimizer
 from fxmega.training.evaluate import evaluate_checkpoint, report
 from fxmega.training.finetune import finetune
 from fxmega.training.interrupt import Interrupted
@@ -130,7 +131,8 @@ def _config(args: argparse.Namespace) -> RunConfig:
 
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
-    cfg = _config(args)
+    asked = flag(args, "--optimizer") is not None or any(o.startswith("optim.optimizer=") for o in args.overrides)
+    cfg = resume_optimizer(_config(args), asked)
     return _on_mesh(cfg, argv, lambda c, par, dev: train(c, progress=not args.no_progress, parallel=par, device=dev),
                     args.oversubscribe)
 

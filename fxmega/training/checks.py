@@ -10,10 +10,13 @@ one ``ConfigError`` naming the value and the fix; nothing falls back silently.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from fxmega.config import RunConfig
-from fxmega.core.errors import ConfigError
+from fxmega.core.errors import CheckpointError, ConfigError
+from fxmega.core.log import get_logger
 from fxmega.models import family_name
 from fxmega.models.family import ModelFamily
 from fxmega.ops import fp8, kernels
@@ -22,6 +25,9 @@ from fxmega.optim.optimizer import optimizer_for
 from fxmega.parallel.distributed import checked_plan
 from fxmega.sharding.mesh import MeshSpec
 from fxmega.sharding.plan import ShardingPlan
+from fxmega.storage import checkpoint, checkpoint_files
+
+log = get_logger(__name__)
 
 
 def preflight(cfg: RunConfig, model: ModelFamily, device: torch.device) -> ShardingPlan | None:
@@ -142,3 +148,43 @@ def check_reference(cfg: RunConfig, plan: ShardingPlan | None, objective: Object
     if plan is not None and plan.pipeline is not None:
         raise ConfigError(f"a reference model is not supported with pipeline parallelism yet (its forward would need "
                           f"its own pass through the stages' schedule): run {objective.name} on a mesh without pp")
+
+
+def saved_optimizer(path: str) -> str | None:
+    """The optimizer a checkpoint's run trained with (its meta records the config), or None
+    where ``path`` holds no checkpoint yet or one that keeps only parameters."""
+    found = checkpoint.resolve(path)
+    if found is None:
+        return None
+    meta = checkpoint_files.read_meta(found)
+    if meta.get("params_only"):
+        return None
+    return meta.get("config", {}).get("optim", {}).get("optimizer")
+
+
+def resume_optimizer(cfg: RunConfig, asked: bool) -> RunConfig:
+    """``cfg`` resuming ``train.load_dir`` with the optimizer its checkpoint trained with:
+    that optimizer's state (Muon's momentum, AdamW's two moments) only continues itself. Not
+    ``asked`` for one (no --optimizer, no optim.optimizer=): the saved one, said. Asked for
+    another: refused, naming both, unless ``train.finetune`` loads the parameters only."""
+    t = cfg.train
+    saved = saved_optimizer(t.load_dir) if t.load_dir and not t.finetune else None
+    if saved is None or saved == cfg.optim.optimizer:
+        return cfg
+    if asked:
+        raise ConfigError(f"--load {t.load_dir} was trained with {saved}; this run asks for {cfg.optim.optimizer}, and "
+                          f"{saved}'s optimizer state cannot continue as {cfg.optim.optimizer}'s: resume with "
+                          f"--optimizer {saved} (or leave --optimizer out), or add --finetune to load the parameters "
+                          f"only and start {cfg.optim.optimizer} fresh")
+    log.info(f"resuming with {saved}, the optimizer {t.load_dir} was trained with (the config says "
+             f"{cfg.optim.optimizer}; --optimizer {cfg.optim.optimizer} --finetune would start it fresh)")
+    return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, optimizer=saved))
+
+
+def check_resume_optimizer(cfg: RunConfig, found_meta: dict) -> None:
+    """A run's state loaded from a checkpoint of another optimizer would read one's moments as
+    the other's: refused, naming both (``resume_optimizer`` settles it before the run is built)."""
+    saved = found_meta.get("config", {}).get("optim", {}).get("optimizer")
+    if saved is not None and saved != cfg.optim.optimizer and not found_meta.get("params_only"):
+        raise CheckpointError(f"the checkpoint was trained with {saved} and this run uses {cfg.optim.optimizer}: "
+                              f"resume with optim.optimizer={saved}, or load the parameters only (--finetune)")
