@@ -6,6 +6,8 @@ scales, the filter leaves the other matmuls alone, settings it cannot run are re
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from fxmega.ops import fp8, matmul
 from fxmega.ops.matmul import WeightUse
 from fxmega.training.checks import preflight
 from fxmega.training.run import Run
-from tests.commands import run_py
+from tests.commands import env, run_py
 from tests.conftest import ROOT
 from tests.tiers import E2E
 
@@ -139,7 +141,8 @@ def test_run_py_fp8_trains_evaluates_saves_resumes_exactly_and_generates(tmp_pat
               *(() if E2E else ("--compile-backend", "aot_eager"))]
     ckpt, log, straight = tmp_path / "ckpt", tmp_path / "log.jsonl", tmp_path / "straight.jsonl"
     first = run_py(*common, "--steps", "2", "--save", str(ckpt), "--log-jsonl", str(log))
-    assert "fp8 rowwise on linear matmuls with both dims multiples of 16, emulated" in first.stdout
+    assert "fp8 rowwise on linear matmuls with both dims multiples of 16 (8 of 8 linear matmuls), emulated" \
+        in first.stdout
     assert "step 2: validation loss" in first.stdout
     resumed = run_py(*common, "--steps", "4", "--save", str(ckpt), "--load", str(ckpt), "--log-jsonl", str(log))
     assert f"resumed from {ckpt}" in resumed.stdout and "step 4: validation loss" in resumed.stdout
@@ -150,6 +153,19 @@ def test_run_py_fp8_trains_evaluates_saves_resumes_exactly_and_generates(tmp_pat
     generated = run_py("generate", "--load", str(ckpt), "--prompt", "the quick", "--max-new-tokens", "8",
                        "--temperature", "0")
     assert "the quick" in generated.stdout
+
+
+def test_run_py_refuses_fp8_that_would_apply_to_no_matmul():
+    """``--fp8`` on a model whose linear widths are not multiples of 16 (d_model 72) would run
+    every matmul in the compute precision, bit for bit the run without it, under a header that
+    says fp8: refused in one line before anything is built, with the count and the fix."""
+    proc = subprocess.run([sys.executable, str(ROOT / "run.py"), "--config", str(ROOT / "configs" / "tiny_gpt.py"),
+                           "--fp8", "tensorwise", "--set", "model.d_model=72", "--mock-data", "--steps", "1",
+                           "--no-compile"], capture_output=True, text=True, timeout=300, env=env())
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "Traceback" not in said, said[-3000:]
+    assert "none of the model's 8 linear matmuls has both weight dims multiples of 16" in said
+    assert "model.d_model=72" in said and "drop --fp8" in said
 
 
 TRACK_STEPS = 200

@@ -46,3 +46,22 @@ def fp8_gathered(cfg: object, tp_shapes: dict[str, tuple[int, ...]], model: Mode
     model = model if model is not None else model_for(cfg)
     objective = objective if objective is not None else model.objective(cfg)
     return fp8.gathered_in_fp8(weight_uses(cfg, model, objective), tp_shapes)
+
+
+def fp8_matmul_count(cfg: object, tp_shapes: dict[str, tuple[int, ...]] | None = None,
+                     model: ModelFamily | None = None, objective: Objective | None = None) -> tuple[int, int]:
+    """``(taken, linear)``: how many of ``model``'s linear weight matmuls (per call) the fp8
+    recipe runs in fp8 — the 2-D weight a rank multiplies, its ``tp_shapes`` slice where given,
+    has both dims multiples of 16 — out of how many linear matmuls there are."""
+    model = model if model is not None else model_for(cfg)
+    objective = objective if objective is not None else model.objective(cfg)
+    fp8_filter = fp8.Fp8Filter()
+    taken = linear = 0
+    for path, reads in weight_uses(cfg, model, objective).items():
+        for use in reads:
+            if use.role not in fp8_filter.roles:
+                continue
+            linear += 1
+            shape = use.local_matmul_shape((tp_shapes or {}).get(path, use.param_shape))
+            taken += shape is not None and fp8_filter.accepts_shape(shape, use.role)
+    return taken, linear

@@ -162,13 +162,27 @@ def emulated(device: torch.device) -> bool:
     return device.type != "cuda" or torch.cuda.get_device_capability(device) < MIN_CAPABILITY
 
 
-def describe(name: str, device: torch.device, fp8_filter: Fp8Filter = Fp8Filter()) -> str:
-    """The header's line: the recipe, where it applies, and whether it is emulated."""
+def describe(name: str, device: torch.device, matmuls: tuple[int, int] | None = None,
+             fp8_filter: Fp8Filter = Fp8Filter()) -> str:
+    """The header's line: the recipe, where it applies (``matmuls``: how many of how many linear
+    matmuls it takes), and whether it is emulated."""
     if name == "off":
         return "fp8 off"
     how = "emulated (fp8 casts and scales, fp32 matmuls: no fp8 tensor cores here)" if emulated(device) \
         else "on fp8 tensor cores"
-    return f"fp8 {name} on {fp8_filter.describe()}, {how}; router, experts, head, attention in the compute precision"
+    count = f" ({matmuls[0]} of {matmuls[1]} linear matmuls)" if matmuls is not None else ""
+    return (f"fp8 {name} on {fp8_filter.describe()}{count}, {how}; router, experts, head, attention in the "
+            f"compute precision")
+
+
+def check_applies(name: str, matmuls: tuple[int, int], d_model: int) -> None:
+    """A recipe that would take none of the model's linear matmuls is refused: the run would be
+    the compute precision's, bit for bit, under a header that says fp8."""
+    taken, linear = matmuls
+    if taken == 0:
+        raise ConfigError(f"compute.fp8={name}: none of the model's {linear} linear matmuls has both weight dims "
+                          f"multiples of {DIM_MULTIPLE} (on a rank's tp slice), so nothing would run in fp8 "
+                          f"(model.d_model={d_model}): make the widths multiples of {DIM_MULTIPLE}, or drop --fp8")
 
 
 @functools.cache

@@ -19,6 +19,7 @@ from fxmega.core.errors import CheckpointError, ConfigError
 from fxmega.core.log import get_logger
 from fxmega.models import family_name
 from fxmega.models.family import ModelFamily
+from fxmega.models.weight_uses import fp8_matmul_count
 from fxmega.ops import fp8, kernels
 from fxmega.ops.objectives import Objective
 from fxmega.optim.optimizer import optimizer_for
@@ -65,6 +66,8 @@ def check_compute(cfg: RunConfig, plan: ShardingPlan | None, device: torch.devic
         if plan is not None:
             fp8.check_mesh(c.fp8, plan.mesh)
         fp8.recipe_for(c.fp8, device)  # torchao is installed
+        fp8.check_applies(c.fp8, fp8_matmul_count(cfg.model, plan.tp_shapes() if plan is not None else None, model),
+                          cfg.model.d_model)
     if c.fp8_gather:
         fp8.check_gather(c.fp8)
         if plan is None or not plan.gathers_params:

@@ -19,6 +19,7 @@ from fxmega.config import RunConfig, to_dict
 from fxmega.core.log import get_logger
 from fxmega.core.memory import peak_bytes, reset_peak
 from fxmega.models import family_name
+from fxmega.models.weight_uses import fp8_matmul_count
 from fxmega.ops import fp8
 from fxmega.ops.init import count_params
 from fxmega.parallel.runtime import Parallel
@@ -62,12 +63,14 @@ def train(cfg: RunConfig, progress: bool = True, parallel: Parallel | None = Non
              f"{cfg.grad_accum_steps(dp)} accumulation steps x {dp} data-parallel ranks; {t.steps} steps; "
              f"compile={t.compile_backend if t.compile else 'off'}")
     c = cfg.compute
+    fp8_line = "" if c.fp8 == "off" else "; " + fp8.describe(c.fp8, run.device, fp8_matmul_count(
+        cfg.model, parallel.plan.tp_shapes() if parallel is not None else None, run.model, run.objective))
     log.info(f"compute: {c.precision} (fp32 master weights and AdamW state"
              f"{', dynamic loss scaling' if c.precision == 'fp16' and not c.loss_scale else ''}), gradient "
              f"reductions in {c.grad_reduce}, recompute {c.recompute}"
              f"{f' (first {c.recompute_layers} blocks)' if c.recompute != 'none' and c.recompute_layers else ''}, "
              f"{c.kernels} kernels, cross-entropy {f'in chunks of {c.loss_chunk} tokens' if c.loss_chunk else 'whole'}"
-             f"{'; ' + fp8.describe(c.fp8, run.device) if c.fp8 != 'off' else ''}"
+             f"{fp8_line}"
              f"{f'; {len(parallel.fp8_gathered)} weights all-gathered in fp8' if c.fp8_gather else ''}")
     log.info(f"data: {run.data.description}")
     run_log = RunLog(t.log_jsonl, t.tensorboard_dir, tracking.sinks(cfg, to_dict(cfg))) if main else RunLog()
