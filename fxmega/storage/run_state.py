@@ -115,6 +115,13 @@ def load_into(run: HoldsParams | RunState, path: Path, params_only: bool = False
     Hugging Face) loads the parameters and leaves the optimizer and step fresh."""
     info = checkpoint.check(path)
     params_only = params_only or bool(info.get("params_only"))
+    saved_optimizer = info.get("config", {}).get("optim", {}).get("optimizer")
+    if not params_only and saved_optimizer is not None and saved_optimizer != run.cfg.optim.optimizer:
+        # one optimizer's state read as another's (Muon's momentum as AdamW's first moment) trains on
+        # silently wrong; the command line settles it before the run is built (training.checks)
+        raise CheckpointError(f"the checkpoint was trained with {saved_optimizer} and this run uses "
+                              f"{run.cfg.optim.optimizer}: resume with optim.optimizer={saved_optimizer}, or load the "
+                              f"parameters only (--finetune)")
     targets = _targets(run, params_only)
     saved = checkpoint.saved_shapes(path)
     missing = [k for k in targets if k not in saved]

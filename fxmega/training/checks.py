@@ -15,7 +15,7 @@ import dataclasses
 import torch
 
 from fxmega.config import RunConfig
-from fxmega.core.errors import CheckpointError, ConfigError
+from fxmega.core.errors import ConfigError
 from fxmega.core.log import get_logger
 from fxmega.models import family_name
 from fxmega.models.family import ModelFamily
@@ -183,11 +183,3 @@ def resume_optimizer(cfg: RunConfig, asked: bool) -> RunConfig:
              f"{cfg.optim.optimizer}; --optimizer {cfg.optim.optimizer} --finetune would start it fresh)")
     return dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, optimizer=saved))
 
-
-def check_resume_optimizer(cfg: RunConfig, found_meta: dict) -> None:
-    """A run's state loaded from a checkpoint of another optimizer would read one's moments as
-    the other's: refused, naming both (``resume_optimizer`` settles it before the run is built)."""
-    saved = found_meta.get("config", {}).get("optim", {}).get("optimizer")
-    if saved is not None and saved != cfg.optim.optimizer and not found_meta.get("params_only"):
-        raise CheckpointError(f"the checkpoint was trained with {saved} and this run uses {cfg.optim.optimizer}: "
-                              f"resume with optim.optimizer={saved}, or load the parameters only (--finetune)")

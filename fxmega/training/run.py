@@ -30,9 +30,9 @@ from fxmega.ops.init import init_params
 from fxmega.ops.objectives import Objective
 from fxmega.optim.optimizer import init_state, optimizer_for
 from fxmega.parallel.runtime import Parallel
-from fxmega.storage import checkpoint, checkpoint_files, run_state
+from fxmega.storage import checkpoint, run_state
 from fxmega.training import faults
-from fxmega.training.checks import check_reference, check_resume_optimizer, check_run
+from fxmega.training.checks import check_reference, check_run
 from fxmega.training.evaluate import mean_loss, micro_sums, my_step_input, one_device_loss_sum, to_device
 from fxmega.training.optim import param_roles
 from fxmega.training.outcome import Pending, settle
@@ -278,8 +278,6 @@ class Run:
         found = checkpoint.resolve(path)
         if found is None:
             return False
-        if not params_only:
-            check_resume_optimizer(self.cfg, checkpoint_files.read_meta(found))
         info = run_state.load_into(self, found, params_only)
         if self.parallel is None or self.parallel.rank == 0:
             if info.get("params_only") or params_only:
