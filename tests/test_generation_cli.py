@@ -3,8 +3,10 @@ the library gives, and the server answers real HTTP requests."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import urllib.request
 
 import pytest
@@ -14,7 +16,7 @@ from fxmega.config import load, override
 from fxmega.inference.generate import LocalDecoder, generate_cached
 from fxmega.inference.scoring import token_scores
 from fxmega.training.run import Run
-from tests.commands import serving
+from tests.commands import env, serving
 from tests.conftest import ROOT
 from tests.tolerance import reduction_rtol, run_lengths
 
@@ -150,3 +152,61 @@ def test_a_prompt_too_long_for_the_context_is_one_line_whose_fixes_work(trained,
     assert main(["generate", *args, "--prompt", "x" * 60, "--temperature", "0"]) == 0
     completion = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("x" * 60))
     assert len(completion) == 64, completion  # the prompt and the 4 bytes that fit (greedy: no newline)
+
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory):
+    """A tiny GPT with a 1,024-token context, so that a request can run long enough (250 new
+    tokens) for a signal to arrive while it is answered."""
+    root = tmp_path_factory.mktemp("long")
+    corpus = root / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    config = ["--config", str(ROOT / "configs" / "tiny_gpt.py"), "--no-compile", "--set", "model.max_seq_len=1024"]
+    assert main([*config, "--data-path", str(corpus), "--no-progress", "--steps", "2", "--save",
+                 str(root / "ckpt")]) == 0
+    return config + ["--load", str(root / "ckpt")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum,stream", [(signal.SIGINT, True), (signal.SIGTERM, False)])
+def test_a_signal_lets_the_request_in_flight_finish_and_the_server_exit_0(long_context, signum, stream):
+    """Ctrl-C or SIGTERM while a request is answered: the server takes no new request, lets
+    the one in flight finish (a stream gets its last chunk and ``[DONE]``, a batch its 200) and
+    exits 0 in one line. Before, a signal during a batch's generation aborted the server (rc 134,
+    "terminate called without an active exception") and the client got an empty reply."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "serve", *long_context, "--port", "0"], cwd=ROOT,
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("serving "):
+                url = line.split(" on ")[1].split()[0]
+                break
+        else:
+            raise AssertionError("".join(seen)[-3000:])
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        prompts = "the quick" if stream else [f"the quick {i}" for i in range(16)]
+        body = json.dumps({"prompt": prompts, "max_tokens": 250, "temperature": 0, "stream": stream}).encode()
+        request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+        if stream:
+            with opener.open(request, timeout=60) as response:
+                events = [response.readline()]
+                proc.send_signal(signum)  # the first chunk is out: the generation is running
+                events += [line for line in response if line.strip()]
+        else:  # 16 x 250 tokens take about a second here: the signal lands while they are generated
+            threading.Timer(0.5, proc.send_signal, (signum,)).start()
+            with opener.open(request, timeout=60) as response:
+                answer = json.loads(response.read())
+        said = proc.stdout.read()
+        assert proc.wait(timeout=60) == 0, said[-3000:]
+    finally:
+        proc.kill()
+    if stream:
+        assert events[-1] == b"data: [DONE]\n", events[-3:]
+        finish = [json.loads(events[-2].removeprefix(b"data: "))["choices"][0]["finish_reason"]]
+    else:
+        finish = [choice["finish_reason"] for choice in answer["choices"]]
+    assert finish == ["length"] * len(finish) and len(finish) == (1 if stream else 16)  # finished, not cut
+    assert "terminate called" not in said and "Traceback" not in said, said[-3000:]
+    assert said.count("stopping: no new requests") == 1

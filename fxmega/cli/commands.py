@@ -31,7 +31,7 @@ from fxmega.inference import harness
 from fxmega.inference.generation_cli import check_generator, generate_fn, generate_texts, load_generator
 from fxmega.inference.model_loader import load_model, recorded, recorded_config, recorded_tokenizer
 from fxmega.inference.seq2seq import is_encoder_decoder
-from fxmega.inference.serve import serve
+from fxmega.inference.serve import STOP_DRAIN_S, serve
 from fxmega.inference.serve_mesh import Leader, follow, score_on_mesh
 from fxmega.models import family_name, model_for
 from fxmega.ops.init import count_params
@@ -322,12 +322,23 @@ def _serve(cfg: RunConfig, parallel: Parallel | None, device: torch.device | Non
         threading.Event().wait()
     except KeyboardInterrupt:
         pass
-    finally:
-        server.stop()
+    log.info(f"stopping: no new requests; those in flight get up to {STOP_DRAIN_S:.0f} s to finish "
+             f"(a second Ctrl-C stops at once)")
+    try:
+        unanswered = server.stop(drain_s=STOP_DRAIN_S, cut_s=0.0 if leader is not None else 5.0)
+    except KeyboardInterrupt:
+        log.error("aborted by a second signal: requests in flight were dropped")
+        sys.stdout.flush()
+        os._exit(128 + signal.SIGINT)
+    if unanswered:
+        log.warning(f"{unanswered} request(s) still unanswered at exit")
     if leader is not None:
         leader.close(timeout_s=5.0)  # followers the launcher has not stopped yet go home
-        sys.stdout.flush()
-        os._exit(0)
+    # a generation thread may still be inside torch: the interpreter's teardown would then abort
+    # on a joinable C++ thread ("terminate called without an active exception", rc 134)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _on_mesh(cfg: RunConfig, argv: list[str], job: Callable[[RunConfig, Parallel | None, torch.device | None], None],

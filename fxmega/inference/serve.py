@@ -64,6 +64,15 @@ from fxmega.inference.serve_requests import (
 from fxmega.inference.stops import TextStream, cut_at_stop, stop_token_ids
 
 GenerateFn = Callable[..., list[list[int]]]
+STOP_ERROR = {"error": {"message": "the server is stopping: this stream was cut before its end",
+                        "type": "server_shutdown", "param": None, "code": None}}
+
+
+STOP_DRAIN_S = 30.0  # seconds a stopping server gives the requests in flight to finish
+
+
+class Cut(Exception):
+    """Raised from a stream's token callback when the stopping server's drain time is up."""
 ScoreFn = Callable[[list[list[int]], int], list[TokenScores]]  # (sequences, top) -> scores: scoring.token_scores
 
 
@@ -87,6 +96,10 @@ class CompletionServer(ThreadingHTTPServer):
         self.started = int(time.time())  # GET /v1/models' "created"
         self._generating = threading.Lock()
         self._thread: threading.Thread | None = None
+        # requests accepted and not yet answered, so that a stop can let them finish
+        self._in_flight = 0
+        self._idle = threading.Condition()
+        self.cutting = threading.Event()  # set when a stop's drain time is up: streams end early
 
     @property
     def url(self) -> str:
@@ -98,13 +111,51 @@ class CompletionServer(ThreadingHTTPServer):
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop serving and close the socket (waits for ``serve_forever`` to return)."""
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # counted here, in serve_forever's thread, before the handler's thread exists: a stop
+        # that follows sees every request it accepted
+        with self._idle:
+            self._in_flight += 1
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._answered()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._answered()
+
+    def _answered(self) -> None:
+        with self._idle:
+            self._in_flight -= 1
+            self._idle.notify_all()
+
+    def _wait_idle(self, seconds: float) -> int:
+        deadline = time.monotonic() + seconds
+        with self._idle:
+            while self._in_flight and (left := deadline - time.monotonic()) > 0:
+                self._idle.wait(left)
+            return self._in_flight
+
+    def stop(self, drain_s: float = 0.0, cut_s: float = 5.0) -> int:
+        """Stop accepting requests (waits for ``serve_forever`` to return), let those in flight
+        finish for up to ``drain_s``, then end the streams still running (their last chunk and
+        an error event) and wait up to ``cut_s`` more (``cut_s`` 0: none is cut, as on a mesh,
+        where rank 0 leaving a generation would strand the ranks following it); close the
+        socket. Returns how many requests were still unanswered."""
         if self._thread is not None:
             self.shutdown()
             self._thread.join()
             self._thread = None
+        left = self._wait_idle(drain_s)
+        if left and cut_s > 0:
+            self.cutting.set()
+            left = self._wait_idle(cut_s)
         self.server_close()
+        return left
 
     def encode(self, request: Completion) -> list[list[int]]:
         """The request's prompts as token ids, each checked against the limits and the model's
@@ -176,6 +227,8 @@ class CompletionServer(ThreadingHTTPServer):
         text = TextStream(self.tokenizer, request.stop, stop_tokens)
 
         def on_token(step: list[int]) -> None:
+            if self.cutting.is_set():
+                raise Cut
             piece = text.add(step[0])
             if piece:
                 send(piece, None)
@@ -223,6 +276,7 @@ class _Handler(BaseHTTPRequestHandler):
     server: CompletionServer
     server_version = "fxmega-serve"
     timeout = 60  # seconds a client may stall mid-request before its thread gives up
+    streaming = False  # set once a stream's headers are out: an error then goes as an event
 
     def do_GET(self) -> None:
         self._route("GET")
@@ -271,9 +325,18 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(200, answer)
         except RequestError as e:
             self._send(e.status, e.body(), allow=", ".join(routes.get(path, {})) if e.status == 405 else None)
+        except (BrokenPipeError, ConnectionResetError):  # the client went away: normal, said in one line
+            self.close_connection = True
+            sys.stderr.write(f"{self.address_string()} disconnected before its answer was sent ({method} {path})\n")
         except Exception as e:  # the generator broke: say so, keep serving
-            self._send(500, RequestError(500, f"generation failed: {type(e).__name__}: {e}",
-                                         kind="server_error").body())
+            error = RequestError(500, f"generation failed: {type(e).__name__}: {e}", kind="server_error").body()
+            try:
+                if not self.streaming:
+                    self._send(500, error)
+                else:  # the stream's headers are out: the error goes as its last event
+                    self.wfile.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
+            except OSError:  # the client went away meanwhile
+                self.close_connection = True
 
     def _completions(self) -> dict | None:
         request = parse_request(self._served_body(), self.server.limits)
@@ -298,6 +361,7 @@ class _Handler(BaseHTTPRequestHandler):
         def send(text: str, finish: str | None) -> None:
             nonlocal chunks_sent
             if chunks_sent == 0:
+                self.streaming = True
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.send_header("Cache-Control", "no-cache")
@@ -319,7 +383,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
             chunks_sent += 1
 
-        self.server.stream(request, send)
+        try:
+            self.server.stream(request, send)
+        except Cut:  # the server is stopping: the stream ends with its last chunk and an error event
+            if chunks_sent == 0:
+                raise RequestError(503, STOP_ERROR["error"]["message"], kind="server_shutdown") from None
+            send("", "abort")
+            self.wfile.write(f"data: {json.dumps(STOP_ERROR)}\n\n".encode())
+            self.wfile.flush()
         return None
 
     def _tokenizer_info(self) -> dict:
