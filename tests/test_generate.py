@@ -11,7 +11,14 @@ import torch
 
 from fxmega.config import load
 from fxmega.data.tokenizer import ByteTokenizer
-from fxmega.inference.generate import LocalDecoder, decode, generate_cached, sample_next, sample_text
+from fxmega.inference.generate import (
+    LocalDecoder,
+    check_sampling,
+    decode,
+    generate_cached,
+    sample_next,
+    sample_text,
+)
 from fxmega.models import deepseek_v3, gpt, llama
 from fxmega.ops.init import init_params
 from tests.conftest import ROOT
@@ -195,6 +202,22 @@ def test_sample_text_is_run_sample_on_the_cache_in_windows(tiny_llama):
     sample_text(recording, cfg, tok, "Hi", 100, temperature=0, seed=7)
     # (context tokens, new tokens, seed) per window: 2 + 32, then the last 32 + 32 twice, then 60 + 4
     assert calls == [(2, 32, 7), (32, 32, 8), (32, 32, 9), (60, 4, 10)]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1e-39, 1.0), (1e-40, 0.9), (1.0, 1e-46), (5e-324, 1e-46)])
+def test_edge_sampling_values_sample_the_most_likely_token_not_nan(temperature, top_p):
+    """A temperature so small that logits / temperature overflows, or a top_p that rounds to 0
+    in fp32, is greedy in the limit: the most likely token, never a NaN probability (before,
+    HTTP 500 "probability tensor contains inf/nan" and a traceback from run.py generate)."""
+    logits = torch.tensor([[2.0, 3.0, -1.0, 0.5], [7.0, -2.0, 6.5, 7.5]])
+    got = sample_next(logits, temperature, 0, torch.Generator().manual_seed(0), top_p=top_p)
+    assert got.tolist() == [1, 3]
+
+
+def test_a_temperature_that_is_not_a_finite_number_is_refused():
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="temperature=.* must be 0 \\(greedy\\) or a finite positive number"):
+            check_sampling(4, bad, 0, 1.0)
 
 
 def test_top_p_keeps_the_smallest_set_reaching_p():

@@ -85,6 +85,18 @@ def test_serve_command_answers_completions(trained):
 
 
 @pytest.mark.slow
+def test_generate_with_a_temperature_too_small_for_fp32_is_greedy(trained, capsys):
+    """``run.py generate --temperature 1e-40`` (before: a traceback, "probability tensor
+    contains inf/nan") prints what greedy decoding prints: its limit."""
+    args, _ = trained
+    common = ["generate", *args, "--prompt", "the quick", "--max-new-tokens", "8"]
+    assert main([*common, "--temperature", "0"]) == 0
+    greedy = capsys.readouterr().out
+    assert main([*common, "--temperature", "1e-40"]) == 0
+    assert capsys.readouterr().out == greedy
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mesh", ["tp=2", "pp=2"])
 def test_generate_command_on_a_mesh_equals_one_device(trained, capsys, mesh):
     args, corpus = trained

@@ -17,6 +17,7 @@ from the same seeded generator without a broadcast. ``generate_cached(model, par
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -74,9 +75,12 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int,
     softmax of ``logits / temperature`` restricted to the ``top_k`` most likely tokens (0: all)
     and then to the nucleus: the fewest most likely tokens whose probability sums to at least
     ``top_p`` (the most likely token always stays)."""
-    if temperature <= 0:
+    if temperature < torch.finfo(torch.float32).tiny:  # 0, or below fp32's normals: greedy, the limit
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # shifted so that the largest is 0 before dividing: the same softmax, and a tiny temperature
+    # gives 0 and -inf (greedy, as its limit) rather than inf - inf = NaN
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -84,7 +88,8 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int,
         ranked, order = logits.sort(dim=-1, descending=True)
         probs = torch.softmax(ranked, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # of the tokens ranked above each one
-        drop_ranked = mass_before >= top_p  # the first token has 0 before it: always kept
+        drop_ranked = mass_before >= top_p
+        drop_ranked[..., 0] = False  # the most likely token always stays (a top_p that rounds to 0 in fp32 too)
         drop = torch.zeros_like(drop_ranked).scatter(-1, order, drop_ranked)
         logits = logits.masked_fill(drop, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -111,8 +116,8 @@ def check_sampling(max_new_tokens: int, temperature: float, top_k: int, top_p: f
     """Raise ``ValueError``, naming the value and the fix, for settings no generator can use."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be 0 or more")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be 0 (greedy) or more")
+    if not temperature >= 0 or math.isinf(temperature):  # NaN fails the comparison
+        raise ValueError(f"temperature={temperature} must be 0 (greedy) or a finite positive number")
     if top_k < 0:
         raise ValueError(f"top_k={top_k} must be 0 (no limit) or more")
     if not 0 < top_p <= 1:
