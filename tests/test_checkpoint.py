@@ -84,6 +84,12 @@ def test_a_save_killed_before_its_rename_leaves_the_last_checkpoint_loadable(tmp
     assert checkpoint.latest(root).name == "step_00000002"
     run = Run(override(_tiny(), ["data.source=shakespeare", f"data.data_dir={ROOT / 'data'}"]))
     assert run.resume(str(root)) and run.step == 2
+    # the next save that commits removes the half-written one (as large as a checkpoint)
+    run.do_step()
+    run.save(str(root))
+    run.finish_saves()
+    assert checkpoint.latest(root).name == "step_00000003"
+    assert not any(p.name.startswith(".tmp_") for p in root.iterdir())
 
 
 def _tiny():

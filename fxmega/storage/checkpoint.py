@@ -150,9 +150,21 @@ class Checkpointer:
             pointer.write_text(final.name + "\n")
             os.replace(pointer, self.root / "latest")
             self._retire()
+            self._remove_stale()
             # said when committed: an asynchronous save is only a .tmp_ directory until here
             log.info(f"step {step}: saved checkpoint {final}")
         _barrier()
+
+    def _remove_stale(self) -> None:
+        """Half-written saves an earlier run left (killed, or stopped by a second Ctrl-C, before
+        its rename): each is as large as a checkpoint. Called once a save has committed, when
+        no other save of this root is in progress."""
+        stale = sorted(p for p in self.root.iterdir() if p.is_dir() and p.name.startswith(f".tmp_{STEP_PREFIX}"))
+        for p in stale:
+            shutil.rmtree(p, ignore_errors=True)
+        if stale:
+            log.info(f"removed {len(stale)} half-written save(s) an earlier run left in {self.root}: "
+                     f"{', '.join(p.name for p in stale)}")
 
     def _retire(self) -> None:
         if self.keep_last <= 0:
