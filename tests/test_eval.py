@@ -46,6 +46,34 @@ def test_eval_of_a_checkpoint_on_one_device_and_on_tp2(tmp_path):
     assert json.loads(sharded.read_text())["loss"] == pytest.approx(result["loss"], rel=run_rtol(cfg, 1))  # tp's orders
 
 
+@pytest.mark.slow
+def test_eval_writes_where_its_command_says_never_into_the_training_log(tmp_path):
+    """A checkpoint records its run's ``--log-jsonl`` (a relative path here): ``run.py eval
+    --load`` from another directory neither appends a step-less record to that training log
+    nor fails looking for it; with ``--log-jsonl`` it writes there, and a directory that does
+    not exist is refused before evaluating."""
+    train_dir, elsewhere = tmp_path / "train", tmp_path / "elsewhere"
+    train_dir.mkdir(), elsewhere.mkdir()
+    run_py = [sys.executable, str(ROOT / "run.py")]
+    environ = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([*run_py, *ARGS, "--no-progress", "--steps", "2", "--save", "ckpt", "--log-jsonl", "log.jsonl"],
+                   cwd=train_dir, env=environ, check=True, capture_output=True, timeout=600)
+    logged = (train_dir / "log.jsonl").read_text()
+    for cwd in (train_dir, elsewhere):
+        proc = subprocess.run([*run_py, "eval", "--load", str(train_dir / "ckpt"), "--mock-data", "--eval-iters", "2"],
+                              cwd=cwd, env=environ, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0 and "perplexity" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (train_dir / "log.jsonl").read_text() == logged and not (elsewhere / "log.jsonl").exists()
+    proc = subprocess.run([*run_py, "eval", "--load", str(train_dir / "ckpt"), "--mock-data", "--eval-iters", "2",
+                           "--log-jsonl", "eval.jsonl"], cwd=elsewhere, env=environ, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "perplexity" in json.loads((elsewhere / "eval.jsonl").read_text())
+    proc = subprocess.run([*run_py, "eval", "--load", str(train_dir / "ckpt"), "--mock-data", "--log-jsonl",
+                           "missing/eval.jsonl"], cwd=elsewhere, env=environ, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 2 and "--log-jsonl missing/eval.jsonl: its directory does not exist" in proc.stderr
+
+
 def test_eval_without_a_checkpoint_is_a_clear_error(tmp_path, capsys):
     assert main(["eval", *ARGS]) == 2
     assert "eval needs a checkpoint: --load CKPT" in capsys.readouterr().err

@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -130,15 +131,25 @@ def _config(args: argparse.Namespace) -> RunConfig:
     return config_from_args(args).validate(None)
 
 
+def _asked(args: argparse.Namespace, name: str, key: str) -> bool:
+    """Whether this command line sets ``key`` itself: flag ``name`` or ``--set key=...`` (not
+    a config file's value, nor a checkpoint's recorded one)."""
+    return flag(args, name) is not None or any(o.startswith(f"{key}=") for o in args.overrides)
+
+
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
-    asked = flag(args, "--optimizer") is not None or any(o.startswith("optim.optimizer=") for o in args.overrides)
-    cfg = resume_optimizer(_config(args), asked)
+    cfg = resume_optimizer(_config(args), _asked(args, "--optimizer", "optim.optimizer"))
     return _on_mesh(cfg, argv, lambda c, par, dev: train(c, progress=not args.no_progress, parallel=par, device=dev),
                     args.oversubscribe)
 
 
 def _from_checkpoint(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = checkpoint_config(args).validate(None)
+    # the checkpoint records its training run's log: eval writes where this command says, or nowhere
+    log_jsonl = cfg.train.log_jsonl if _asked(args, "--log-jsonl", "train.log_jsonl") else ""
+    if log_jsonl and not Path(log_jsonl).resolve().parent.is_dir():
+        raise ConfigError(f"--log-jsonl {log_jsonl}: its directory does not exist; create it or give another path")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, log_jsonl=log_jsonl))
     if args.command in ("generate", "serve"):
         check_generator(cfg)
     job = {"eval": lambda c, par, dev: _eval(c, par, dev, args),
